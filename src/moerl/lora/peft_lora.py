@@ -1,0 +1,47 @@
+"""LoRA on attention and on the fused expert tensors with PEFT (``target_parameters``).
+
+PEFT's ``target_parameters`` puts a LoRA on each fused 3-D expert parameter ([E, out, in]) with one
+A/B pair per expert: the ``per_expert`` mode. The ``shared`` and ``shared_outer`` modes
+(Megatron-Bridge's default and its variant) live in moerl.lora.expert_modes.
+"""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+
+from moerl.config import LoraConfig
+
+ATTENTION_TARGETS = {
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def peft_config(cfg: LoraConfig, preset: str) -> PeftLoraConfig:
+    if not (cfg.target_attention or cfg.target_experts):
+        raise ValueError("lora: at least one of target_attention / target_experts must be true")
+    return PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,  # ParamWrapper requires dropout 0
+        target_modules=ATTENTION_TARGETS[preset] if cfg.target_attention else [],
+        target_parameters=EXPERT_TARGETS if cfg.target_experts and cfg.expert_mode == "per_expert" else None,
+        bias="none",
+    )
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
+    """Wrap ``model`` with LoRA adapters; only adapter weights stay trainable."""
+    torch.manual_seed(cfg.init_seed)
+    peft_model = get_peft_model(model, peft_config(cfg, preset))
+    if cfg.target_experts and cfg.expert_mode != "per_expert":
+        from moerl.lora.expert_modes import attach_expert_lora  # written for the LoRA-variants issue
+
+        attach_expert_lora(peft_model, cfg)
+    return peft_model
+
+
+def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (what adapter refit sends), detached."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}

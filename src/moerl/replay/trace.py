@@ -1,0 +1,107 @@
+"""RoutingTrace: which experts each token was routed to, per MoE layer, as the rollout engine saw it.
+
+Layers are identified by their *global* layer number (``moe_layers``), never by position:
+DeepSeek-V3, Kimi-K2 and Moonlight start with dense layers, and mapping an engine's per-layer
+output by position onto the trainer's MoE layers is the bug that broke R3 for those models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def index_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer type holding expert ids 0..E-1 (uint8 up to 256 experts, int16 above)."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+class TraceError(ValueError):
+    """A trace that does not fit the batch or model it is meant for; names sample and mismatch."""
+
+
+@dataclass
+class RoutingTrace:
+    indices: torch.Tensor  # [N, T, L_moe, k], index_dtype(num_experts)
+    valid: torch.Tensor  # [N, T] bool: False on padding, the last generated token, uncaptured rows
+    moe_layers: tuple[int, ...]  # global layer number of each of the L_moe columns
+    num_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        self.moe_layers = tuple(int(x) for x in self.moe_layers)
+        self.validate()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        idx, valid = self.indices, self.valid
+        if idx.dim() != 4:
+            raise TraceError(f"routing indices must be [N, T, L_moe, k], got shape {tuple(idx.shape)}")
+        n, t, layers, k = idx.shape
+        if tuple(valid.shape) != (n, t):
+            raise TraceError(f"routing valid mask has shape {tuple(valid.shape)}, expected {(n, t)}")
+        if valid.dtype != torch.bool:
+            raise TraceError(f"routing valid mask must be bool, got {valid.dtype}")
+        if layers != len(self.moe_layers):
+            raise TraceError(f"trace has {layers} layer columns but moe_layers lists {len(self.moe_layers)}")
+        if len(set(self.moe_layers)) != len(self.moe_layers):
+            raise TraceError(f"moe_layers has repeated layer numbers: {self.moe_layers}")
+        if k != self.top_k:
+            raise TraceError(f"trace top-k is {k} but top_k={self.top_k}")
+        if idx.dtype != index_dtype(self.num_experts):
+            raise TraceError(f"indices dtype {idx.dtype}, expected {index_dtype(self.num_experts)} "
+                             f"for {self.num_experts} experts")
+        if valid.any():
+            used = idx[valid].long()
+            bad = (used < 0) | (used >= self.num_experts)
+            if bad.any():
+                sample = int(valid.nonzero()[bad.flatten(1).any(1).nonzero()[0, 0], 0])
+                raise TraceError(f"sample {sample}: expert id out of range [0, {self.num_experts})")
+            srt = used.sort(dim=-1).values
+            dup = (srt[..., 1:] == srt[..., :-1]).flatten(1).any(1)
+            if dup.any():
+                row = valid.nonzero()[dup.nonzero()[0, 0]]
+                raise TraceError(f"sample {int(row[0])}, token {int(row[1])}: duplicate experts in a valid row")
+
+    def check_fits(self, input_ids: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int,
+                   top_k: int) -> None:
+        """Raise if this trace cannot be replayed on ``input_ids`` through a model with these layers."""
+        if tuple(self.indices.shape[:2]) != tuple(input_ids.shape):
+            raise TraceError(f"trace covers {tuple(self.indices.shape[:2])} (samples, tokens) but the batch "
+                             f"is {tuple(input_ids.shape)}")
+        if tuple(moe_layers) != self.moe_layers:
+            raise TraceError(f"trace MoE layers {self.moe_layers} != model MoE layers {tuple(moe_layers)}")
+        if num_experts != self.num_experts or top_k != self.top_k:
+            raise TraceError(f"trace is for {self.num_experts} experts top-{self.top_k}, model has "
+                             f"{num_experts} experts top-{top_k}")
+
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.indices.shape)
+
+    def __getitem__(self, rows) -> "RoutingTrace":
+        """Slice samples (a micro-batch): ``trace[idx]`` with a slice, list or index tensor."""
+        return RoutingTrace(self.indices[rows], self.valid[rows], self.moe_layers, self.num_experts, self.top_k)
+
+    def truncate_tokens(self, length: int) -> "RoutingTrace":
+        """First ``length`` token positions (the trainer forwards ``input_ids[:, :-1]``)."""
+        return RoutingTrace(self.indices[:, :length], self.valid[:, :length], self.moe_layers,
+                            self.num_experts, self.top_k)
+
+    def layer(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [N, T, k] as int64, valid [N, T]) for one global layer number."""
+        try:
+            col = self.moe_layers.index(layer_number)
+        except ValueError:
+            raise TraceError(f"layer {layer_number} is not an MoE layer of this trace {self.moe_layers}") from None
+        return self.indices[:, :, col].long(), self.valid
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Unpacked size of one token's routes (all MoE layers)."""
+        return len(self.moe_layers) * self.top_k * self.indices.element_size()

@@ -34,6 +34,14 @@ def peft_config(cfg: LoraConfig, preset: str) -> PeftLoraConfig:
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
     """Wrap ``model`` with LoRA adapters; only adapter weights stay trainable."""
     torch.manual_seed(cfg.init_seed)
+    if not cfg.target_attention and cfg.target_experts and cfg.expert_mode != "per_expert":
+        # Nothing for PEFT to wrap (PEFT refuses an empty target list): freeze the base and let
+        # moerl.lora.expert_modes add the only adapters.
+        from moerl.lora.expert_modes import attach_expert_lora
+
+        model.requires_grad_(False)
+        attach_expert_lora(model, cfg)
+        return model
     peft_model = get_peft_model(model, peft_config(cfg, preset))
     if cfg.target_experts and cfg.expert_mode != "per_expert":
         from moerl.lora.expert_modes import attach_expert_lora  # written for the LoRA-variants issue

@@ -103,26 +103,35 @@ class LoraConfig:
 
 @dataclass
 class LossConfig:
-    """Policy-loss variant and its knobs; formulas and sources are in moerl/trainer/losses.py."""
+    """Policy-loss variant and its knobs; formulas and sources are in moerl/trainer/losses.py.
+
+    Ratios: r = pi_theta/pi_old (PPO clip), rho = pi_old/pi_rollout (rollout correction weight)."""
 
     variant: Literal["ppo_clip", "tis", "mis", "icepop", "gspo", "bypass"] = "ppo_clip"
+    # PPO clip range [1 - eps_low, 1 + eps_high] on r (DAPO clip-higher: 0.2 / 0.28).
     eps_low: float = 0.2
     eps_high: float = 0.28
     # Dual-clip constant c > 1 bounds the ratio for negative advantages; null disables it.
     dual_clip_c: float | None = None
+    # token_mean (default, as DAPO and verl): every response token counts once, no length bias
+    # towards short answers; seq_mean_token_mean (GRPO/GSPO papers); seq_sum_constant (Dr. GRPO).
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] = "token_mean"
-    # Truncated IS (tis): weight min(pi_old / pi_rollout, tis_cap); level token or sequence.
+    # Truncated IS (tis): weight min(rho, tis_cap); C=2 as in Yao et al. Also the cap of mis_token_tis.
     tis_cap: float = 2.0
+    # Level of the rho used by tis (token | sequence) and mis (token | sequence | geometric).
     is_level: Literal["token", "sequence", "geometric"] = "token"
-    # Masked IS (mis): mask tokens/sequences whose weight falls outside [mis_lower, mis_upper].
+    # Masked IS (mis): zero tokens/sequences whose rho falls outside [mis_lower, mis_upper].
     mis_lower: float = 0.5
     mis_upper: float = 2.0
-    # Veto: drop a whole sequence if any token has pi_old/pi_rollout below this (catastrophic token).
+    # Veto: drop a whole sequence if any token has rho below this (catastrophic token); null = off.
     mis_veto: float | None = 1e-4
-    # IcePop: token mask outside [icepop_alpha, icepop_beta].
+    # mis with is_level=geometric: also weight kept tokens by min(rho_t, tis_cap) (Miles, verl
+    # decoupled_geo_rs_token_tis); false = pure rejection (weight 1 on kept sequences).
+    mis_token_tis: bool = False
+    # IcePop: token mask outside [icepop_alpha, icepop_beta] (Ring-1T defaults 0.5 / 5).
     icepop_alpha: float = 0.5
     icepop_beta: float = 5.0
-    # GSPO: sequence ratio clip range.
+    # GSPO: clip range of the sequence ratio (pi_theta/pi_old)^(1/|y|) (paper: 3e-4 / 4e-4).
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
     entropy_coef: float = 0.0
@@ -343,6 +352,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def loss_checks(lo: LossConfig) -> list[tuple[bool, str]]:
+    """Bounds of the loss section; each message names the key, its value and what is allowed."""
+    levels = {"tis": ["token", "sequence"], "mis": ["token", "sequence", "geometric"]}
+    return [
+        (0 <= lo.eps_low < 1, f"loss.eps_low={lo.eps_low} must be in [0, 1) (the clip floor is 1 - eps_low)"),
+        (lo.eps_high >= 0, f"loss.eps_high={lo.eps_high} must be >= 0"),
+        (lo.dual_clip_c is None or lo.dual_clip_c > 1,
+         f"loss.dual_clip_c={lo.dual_clip_c} must be > 1, or null to disable the dual clip"),
+        (lo.tis_cap > 0, f"loss.tis_cap={lo.tis_cap} must be > 0 (C in min(rho, C); 2.0 is typical)"),
+        (lo.variant not in levels or lo.is_level in levels[lo.variant],
+         f"loss.is_level={lo.is_level!r} is not allowed with loss.variant={lo.variant!r} "
+         f"(allowed: {levels.get(lo.variant)})"),
+        (lo.mis_lower >= 0, f"loss.mis_lower={lo.mis_lower} must be >= 0"),
+        (lo.mis_lower < lo.mis_upper,
+         f"loss.mis_lower={lo.mis_lower} must be < loss.mis_upper={lo.mis_upper}"),
+        (lo.mis_veto is None or 0 < lo.mis_veto < 1,
+         f"loss.mis_veto={lo.mis_veto} must be in (0, 1) (typical 1e-4 to 1e-6), or null to disable it"),
+        (not lo.mis_token_tis or (lo.variant == "mis" and lo.is_level == "geometric"),
+         "loss.mis_token_tis=true needs loss.variant=mis and loss.is_level=geometric"),
+        (lo.icepop_alpha >= 0, f"loss.icepop_alpha={lo.icepop_alpha} must be >= 0"),
+        (lo.icepop_alpha < lo.icepop_beta,
+         f"loss.icepop_alpha={lo.icepop_alpha} must be < loss.icepop_beta={lo.icepop_beta}"),
+        (0 <= lo.gspo_eps_low < 1, f"loss.gspo_eps_low={lo.gspo_eps_low} must be in [0, 1)"),
+        (lo.gspo_eps_high >= 0, f"loss.gspo_eps_high={lo.gspo_eps_high} must be >= 0"),
+        (lo.entropy_coef >= 0, f"loss.entropy_coef={lo.entropy_coef} must be >= 0"),
+    ]
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a type hint cannot express; each names the key and the rule."""
     m, r, t, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.loss
@@ -358,13 +395,7 @@ def validate(cfg: ExperimentConfig) -> None:
         ((r.prompts_per_step * r.group_size) % t.mini_batches == 0,
          "rollout.prompts_per_step * rollout.group_size must be divisible by trainer.mini_batches"),
         (t.micro_batch_size > 0, "trainer.micro_batch_size must be > 0"),
-        (lo.eps_low >= 0 and lo.eps_high >= 0, "loss.eps_low/eps_high must be >= 0"),
-        (lo.dual_clip_c is None or lo.dual_clip_c > 1, "loss.dual_clip_c must be > 1 (or null)"),
-        (lo.tis_cap > 0, "loss.tis_cap must be > 0"),
-        (lo.mis_lower < lo.mis_upper, "loss.mis_lower must be < loss.mis_upper"),
-        (lo.mis_lower >= 0, "loss.mis_lower must be >= 0"),
-        (lo.icepop_alpha < lo.icepop_beta, "loss.icepop_alpha must be < loss.icepop_beta"),
-        (lo.gspo_eps_low >= 0 and lo.gspo_eps_high >= 0, "loss.gspo_eps_low/high must be >= 0"),
+        *loss_checks(lo),
         (cfg.refit.bucket_mb > 0, "refit.bucket_mb must be > 0"),
         (cfg.lora.rank > 0, "lora.rank must be > 0"),
         (not (cfg.replay.mode != "none" and not r.capture_routing and cfg.replay.mode == "R3"),

@@ -1,0 +1,149 @@
+"""The embedded rollout engine: its own copy of the policy, in its own precision, over `generate`.
+
+It plays vLLM's role on a CPU: sampling in bf16 (by default) while the trainer computes in fp32,
+which is exactly the training-inference mismatch the repo studies. It records every token's
+experts with hooks on the routers while generating (prefill calls see [B*T0] tokens, each decode
+step [B]); like every real engine it never forwards the last sampled token, so that token has no
+route.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from moerl.config import RolloutConfig
+from moerl.data.prompts import render_prompt
+from moerl.data.tokenizer import BOS
+from moerl.models.routers import intercept_routing
+from moerl.replay.trace import RoutingTrace, index_dtype
+from moerl.rollout.batch import RolloutBatch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class RouteRecorder:
+    """Collects the native top-k of every MoE call during one `generate`."""
+
+    def __init__(self):
+        self.calls: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer, native, logits):
+        self.calls.setdefault(layer.layer_number, []).append(native.detach())
+        return None
+
+    def trace(self, batch: int, total_len: int, valid: torch.Tensor, num_experts: int, top_k: int) -> RoutingTrace:
+        """Stack calls along time: [B*T0] prefill then [B] per decode step -> [B, T, L, k]."""
+        per_layer = []
+        for number in sorted(self.calls):
+            steps = [c.view(batch, -1, top_k) for c in self.calls[number]]
+            idx = torch.cat(steps, dim=1)
+            missing = total_len - idx.shape[1]  # the last sampled token was never forwarded
+            if missing < 1:
+                raise RuntimeError(f"layer {number}: captured {idx.shape[1]} routed tokens for a sequence of "
+                                   f"{total_len}; expected at most {total_len - 1}")
+            idx = torch.cat([idx, idx.new_zeros(batch, missing, top_k)], dim=1)
+            per_layer.append(idx)
+        captured = torch.stack(per_layer, dim=2).to(index_dtype(num_experts))
+        return RoutingTrace(captured, valid, tuple(sorted(self.calls)), num_experts, top_k)
+
+
+class HFEngine:
+    def __init__(self, policy: nn.Module, tokenizer, cfg: RolloutConfig, task: str = "arith"):
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
+        self.dtype = DTYPES[cfg.dtype]
+        self.model = copy.deepcopy(policy).to(self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        from moerl.models.routers import find_moe_layers
+
+        layers = find_moe_layers(self.model)
+        self.num_experts, self.top_k = layers[0].num_experts, layers[0].top_k
+
+    # -- weights ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Adapter refit: copy LoRA tensors by name into the engine's resident PEFT copy."""
+        params = dict(self.model.named_parameters())
+        missing = [name for name in tensors if name not in params]
+        if missing:
+            raise KeyError(f"engine has no parameter '{missing[0]}' (and {len(missing) - 1} more)")
+        for name, tensor in tensors.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"refit tensor '{name}': shape {tuple(tensor.shape)} != engine "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(tensor.to(self.dtype))
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Full-weight refit (merged baseline): overwrite named parameters/buffers."""
+        state = self.model.state_dict()
+        for name, tensor in tensors.items():
+            if name not in state:
+                raise KeyError(f"engine has no tensor '{name}'")
+            state[name].copy_(tensor.to(state[name].dtype))
+
+    # -- generation ---------------------------------------------------------------------------------
+    def encode_prompts(self, questions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = [BOS + render_prompt(self.task, q) for q in questions]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc.input_ids, enc.attention_mask
+
+    @torch.no_grad()
+    def generate(self, questions: list[str], answers: list[str], group_size: int, *, greedy: bool = False,
+                 seed: int | None = None) -> RolloutBatch:
+        """Sample ``group_size`` completions per question (rows grouped: q0 x G, q1 x G, ...)."""
+        cfg, tok = self.cfg, self.tokenizer
+        prompt_ids, prompt_mask = self.encode_prompts(questions)
+        prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+        n, t0 = prompt_ids.shape
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = dict(do_sample=False) if greedy else dict(
+            do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        recorder = RouteRecorder()
+        capture = intercept_routing(self.model, recorder) if cfg.capture_routing else _null()
+        with capture:
+            out = self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
+                return_dict_in_generate=True, **sampling)
+        seqs = out.sequences
+        total = seqs.shape[1]
+        new = seqs[:, t0:]
+        # Response runs up to and including the first EOS; generate pads finished rows afterwards.
+        is_eos = new == tok.eos_token_id
+        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        response = ~after_eos
+        response_mask = torch.cat([torch.zeros(n, t0, dtype=torch.bool), response], dim=1)
+        attention_mask = torch.cat([prompt_mask.bool(), response], dim=1)
+        # Logprob of each sampled token under the engine's (temperature-scaled) distribution.
+        temperature = 1.0 if greedy else cfg.temperature
+        step_logits = torch.stack(out.logits, dim=1).float() / temperature  # [N, n_new, V]
+        logp_new = torch.log_softmax(step_logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        rollout_logprobs = torch.zeros(n, total)
+        rollout_logprobs[:, t0:] = torch.where(response, logp_new, torch.zeros_like(logp_new))
+
+        routing = None
+        if cfg.capture_routing:
+            last = response_mask.long().cumsum(-1).argmax(-1)  # column of each row's last response token
+            valid = attention_mask.clone()
+            valid[torch.arange(n), last] = False
+            routing = recorder.trace(n, total, valid, self.num_experts, self.top_k)
+        texts = tok.batch_decode(torch.where(response, new, torch.full_like(new, tok.pad_token_id)),
+                                 skip_special_tokens=True)
+        return RolloutBatch(
+            input_ids=seqs, attention_mask=attention_mask.long(), response_mask=response_mask,
+            rollout_logprobs=rollout_logprobs, prompt_length=t0,
+            group=torch.arange(len(questions)).repeat_interleave(group_size), routing=routing, texts=texts,
+            answers=[a for a in answers for _ in range(group_size)])
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

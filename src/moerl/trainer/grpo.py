@@ -1,0 +1,334 @@
+"""LoRA GRPO on a Mixture-of-Experts policy, embedded path. Read ``GRPOTrainer.step`` top to bottom:
+
+    1. sample prompts; the rollout engine (own copy, own precision) samples G completions each,
+       returning per-token rollout logprobs and the routing trace
+    2. reward each completion (math-verify); normalise rewards within each group -> advantages
+    3. old-logprob pass with the trainer's pre-update policy (R3 replays the rollout's routes,
+       R2 records the trainer's own); skipped by the ``bypass`` loss (pi_old = pi_rollout)
+    4. policy updates: mini-batches of micro-batches, the configured loss variant, replayed routes
+       (R2/R3), gradient clipping, AdamW on the LoRA weights only
+    5. refit: the new LoRA weights travel to the engine
+    6. metrics: reward, mismatch (k3, IS weights), clipping, routing agreement per layer; log and
+       checkpoint
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moerl.config import ExperimentConfig
+from moerl.data import load_splits
+from moerl.lora.peft_lora import apply_lora
+from moerl.replay.session import routing_session
+from moerl.replay.trace import RoutingTrace
+from moerl.reward import batch_rewards
+from moerl.rollout.batch import RolloutBatch
+from moerl.rollout.hf import HFEngine
+from moerl.tracking import Tracker
+from moerl.trainer.advantages import group_advantages
+from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from moerl.trainer.logprobs import forward_logprobs
+from moerl.replay.diagnostics import routing_agreement
+from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
+from moerl.trainer.metrics import mismatch_metrics, token_samples
+from moerl.trainer.warm_start import evaluate_policy, load_warm_start
+
+log = logging.getLogger(__name__)
+
+
+class PromptSampler:
+    """Walks seeded permutations of the training rows; its position is part of every checkpoint."""
+
+    def __init__(self, rows: list[dict], seed: int):
+        self.rows, self.seed, self.epoch, self.pos = rows, seed, 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 100003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self.rows[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()
+
+
+class Timer(dict):
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"time/{name}"] = self.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+def _chunks(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [rows[i: i + size] for i in range(0, len(rows), size)]
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
+        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
+        self.train_rows, self.test_rows = load_splits(cfg.data)
+        self.test_rows = self.test_rows[: cfg.trainer.eval_size]
+
+        self.policy = apply_lora(base, cfg.lora, cfg.model.preset)
+        if cfg.trainer.activation_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.trainable = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.trainable.values(), lr=cfg.trainer.lr,
+                                           betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
+        self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
+        self.sampler = PromptSampler(self.train_rows, cfg.seed)
+        self.step_idx = 0
+
+        resume_step = None
+        if resume:
+            saved = checkpoint_dirs(self.run_dir)
+            if not saved:
+                raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
+            state = load_checkpoint(saved[-1], self.policy, self.optimizer)
+            self.step_idx, resume_step = state["step"], state["step"]
+            self.sampler.load(state["sampler"])
+            self.refit()
+            log.info("resumed %s at step %d", self.run_dir, self.step_idx)
+        self.tracker = Tracker(self.run_dir, cfg, resume_step)
+
+    # ------------------------------------------------------------------------------------------
+    # One GRPO step
+    # ------------------------------------------------------------------------------------------
+    def step(self) -> dict:
+        cfg, timer = self.cfg, Timer()
+        seed = cfg.seed * 1_000_003 + self.step_idx
+        start = time.perf_counter()
+
+        # 1. Rollout: G samples per prompt from the engine, with logprobs and routing trace.
+        rows = self.sampler.next(cfg.rollout.prompts_per_step)
+        with timer("rollout"):
+            batch = self.engine.generate([r["question"] for r in rows], [r["answer"] for r in rows],
+                                         cfg.rollout.group_size, seed=seed)
+        mask = batch.response_mask
+        check_finite("rollout_logprobs", batch.rollout_logprobs, mask)
+
+        # 2. Reward and group-normalised advantages.
+        batch.rewards = torch.tensor(batch_rewards(batch.texts, batch.answers))
+        advantages = group_advantages(batch.rewards, batch.group)[:, None].expand_as(mask).float()
+
+        # 3. Old logprobs (the policy before this step's updates), under the replay plan.
+        old_pass_replay = batch.routing if cfg.replay.mode == "R3" else None
+        with timer("old_logprob"):
+            if cfg.loss.variant == "bypass":
+                old_logp, native = batch.rollout_logprobs, None
+            else:
+                old_logp, native = self.old_logprobs(batch, old_pass_replay)
+        check_finite("old_logprobs", old_logp, mask)
+        update_replay = {"none": None, "R3": batch.routing, "R2": native}[cfg.replay.mode]
+
+        # 4. Policy updates (mini-batches x micro-batches), replaying routes under R2/R3.
+        with timer("update"):
+            update_metrics = self.update(batch, old_logp, advantages, update_replay, seed)
+
+        # 5. Refit: only the LoRA weights travel to the engine.
+        with timer("refit"):
+            self.refit()
+
+        # 6. Metrics, log, checkpoint.
+        self.step_idx += 1
+        metrics = {"step": self.step_idx,
+                   "reward/mean": float(batch.rewards.mean()),
+                   "reward/group_solved_frac": float(_group_solved(batch)),
+                   "response/length_mean": float(batch.response_lengths.float().mean()),
+                   **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
+                   **update_metrics}
+        if native is not None and batch.routing is not None:
+            metrics.update(routing_metrics(native, batch.routing.truncate_tokens(native.shape[1])))
+            metrics["replay/old_pass_violations"] = float(self.old_pass_violations)
+        if cfg.trainer.samples_every and self.step_idx % cfg.trainer.samples_every == 0:
+            self.save_token_samples(old_logp, batch, mask)
+        if cfg.trainer.eval_every and self.step_idx % cfg.trainer.eval_every == 0:
+            metrics.update(self.evaluate())
+        metrics.update(timer)
+        metrics["time/step"] = time.perf_counter() - start
+        self.tracker.log(metrics)
+        if cfg.trainer.checkpoint_every and self.step_idx % cfg.trainer.checkpoint_every == 0:
+            self.save()
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def old_logprobs(self, batch: RolloutBatch, replay: RoutingTrace | None):
+        """Trainer logprobs before the update, in micro-batches, and the trainer's native routing as
+        a trace: the R2 recording, and (against the rollout's) the routing-agreement diagnostic."""
+        n, t = batch.input_ids.shape
+        logps, natives, violations = [], [], 0
+        self.policy.eval()
+        for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
+            sub = batch.select(rows)
+            trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
+            with routing_session(self.policy, (len(rows), t - 1), replay=trace, strict=self.cfg.replay.strict) as s:
+                logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
+            logps.append(logp)
+            natives.append(s.to_trace(sub.attention_mask[:, :-1].bool()))
+            violations += s.violations
+        native = RoutingTrace(torch.cat([x.indices for x in natives]), torch.cat([x.valid for x in natives]),
+                              natives[0].moe_layers, natives[0].num_experts, natives[0].top_k)
+        self.old_pass_violations = violations
+        return torch.cat(logps), native
+
+    def update(self, batch: RolloutBatch, old_logp, advantages, replay: RoutingTrace | None, seed: int) -> dict:
+        cfg = self.cfg
+        n, t = batch.input_ids.shape
+        mask = batch.response_mask
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        grad_norms, skipped = [], 0
+        generator = torch.Generator().manual_seed(seed)
+        self.policy.train()
+        for _ in range(cfg.trainer.epochs):
+            order = torch.randperm(n, generator=generator)
+            for mini in _chunks(order, n // cfg.trainer.mini_batches):
+                total = aggregation_weight(mask[mini], cfg.loss.aggregation)
+                self.optimizer.zero_grad(set_to_none=True)
+                finite = True
+                for rows in _chunks(mini, cfg.trainer.micro_batch_size):
+                    sub = batch.select(rows)
+                    trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
+                    with routing_session(self.policy, (len(rows), t - 1), replay=trace,
+                                         strict=cfg.replay.strict) as session:
+                        logp, entropy = forward_logprobs(self.policy, sub, cfg.rollout.temperature,
+                                                         with_entropy=True)
+                        loss, m = policy_loss(logp, old_logp[rows], batch.rollout_logprobs[rows],
+                                              advantages[rows], mask[rows], cfg.loss)
+                        m["entropy"] = float(aggregate(entropy.detach(), mask[rows], "token_mean"))
+                        if cfg.loss.entropy_coef:
+                            loss = loss - cfg.loss.entropy_coef * aggregate(entropy, mask[rows], cfg.loss.aggregation)
+                        if not torch.isfinite(loss):
+                            finite = False
+                            break
+                        share = aggregation_weight(mask[rows], cfg.loss.aggregation) / max(total, 1e-9)
+                        (loss * share).backward()
+                    m["loss/policy"] = float(loss.detach())
+                    m["replay/violations"] = float(session.violations)
+                    w = float(mask[rows].sum())
+                    for key, value in m.items():
+                        sums[key] = sums.get(key, 0.0) + value * w
+                        weights[key] = weights.get(key, 0.0) + w
+                if not finite:
+                    skipped += 1  # a NaN/inf loss would poison the LoRA weights: skip this update
+                    self.optimizer.zero_grad(set_to_none=True)
+                    log.warning("step %d: non-finite loss, update skipped", self.step_idx + 1)
+                    continue
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.trainable.values(),
+                                                                       cfg.trainer.grad_clip)))
+                self.optimizer.step()
+        out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
+        out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+        out["updates/skipped_nonfinite"] = skipped
+        return out
+
+    def refit(self) -> None:
+        self.engine.load_adapter({name: p.detach() for name, p in self.trainable.items()})
+
+    # ------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        acc = evaluate_policy(self.engine, self.test_rows, seed=self.cfg.data.seed)
+        return {f"eval/{k}": v for k, v in acc.items()}
+
+    def save_token_samples(self, old_logp, batch: RolloutBatch, mask) -> None:
+        out = self.run_dir / "samples"
+        out.mkdir(exist_ok=True)
+        samples = token_samples(batch.rollout_logprobs, old_logp, mask, self.cfg.loss,
+                                self.cfg.trainer.samples_per_save,
+                                generator=torch.Generator().manual_seed(self.step_idx))
+        tmp = out / f".step_{self.step_idx:05d}.npz"
+        np.savez_compressed(tmp, **samples)
+        tmp.rename(out / f"step_{self.step_idx:05d}.npz")
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
+                        {"sampler": self.sampler.state()})
+
+    def train(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self.step_idx == 0:
+            initial = {"step": 0, **self.evaluate()}
+            self.tracker.log(initial)
+        bar = tqdm(total=cfg.trainer.steps, initial=self.step_idx, desc=cfg.run_name,
+                   disable=not (self.progress and cfg.tracking.progress_bar))
+        last = {}
+        while self.step_idx < cfg.trainer.steps:
+            last = self.step()
+            bar.update(1)
+            bar.set_postfix(reward=f"{last['reward/mean']:.3f}", k3=f"{last['mismatch/k3']:.2e}",
+                            s=f"{last['time/step']:.2f}")
+        bar.close()
+        if cfg.trainer.eval_every == 0 or self.step_idx % cfg.trainer.eval_every != 0 or "eval/pass1" not in last:
+            final = {"step": self.step_idx, **self.evaluate()}
+            self.tracker.log(final)
+        self.save()
+        summary = self.summarise()
+        self.tracker.write_summary(summary)
+        self.tracker.close()
+        return summary
+
+    def summarise(self) -> dict:
+        from moerl.tracking import read_metrics
+
+        rows = read_metrics(self.tracker.metrics_path)
+        train = [r for r in rows if "reward/mean" in r]
+        evals = [r for r in rows if "eval/pass1" in r]
+
+        def mean_of(key):
+            vals = [r[key] for r in train if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            return float(np.mean(vals)) if vals else None
+
+        keys = sorted({k for r in train for k in r if k.startswith(("mismatch/", "clip/", "is/", "mask/",
+                                                                     "effective/", "routing/", "time/"))})
+        return {"run": self.cfg.run_name, "steps": self.step_idx,
+                "warm_start_accuracy": self.warm_start_meta.get("test_accuracy"),
+                "initial_eval": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else None,
+                "final_eval": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else None,
+                "reward_first10": float(np.mean([r["reward/mean"] for r in train[:10]])) if train else None,
+                "reward_last10": float(np.mean([r["reward/mean"] for r in train[-10:]])) if train else None,
+                **{f"mean/{k}": mean_of(k) for k in keys}}
+
+
+def _group_solved(batch: RolloutBatch) -> float:
+    """Fraction of groups with mixed rewards (the only groups that carry a GRPO signal)."""
+    mixed = [float(batch.rewards[batch.group == g].std() > 0) for g in batch.group.unique()]
+    return sum(mixed) / len(mixed)
+
+
+def routing_metrics(native: RoutingTrace, rollout: RoutingTrace) -> dict:
+    """Per-layer agreement between the trainer's native top-k and the rollout's, on valid rows
+    (with replay off this *is* the routing mismatch; under R3 it shows what replay corrects)."""
+    per_layer = routing_agreement({n: native.layer(n)[0] for n in native.moe_layers}, rollout)
+    out = {f"routing/agreement/layer{n}": v for n, v in per_layer.items()}
+    vals = [v for v in per_layer.values() if v == v]
+    out["routing/agreement"] = float(np.mean(vals)) if vals else float("nan")
+    out["routing/disagreement"] = 1.0 - out["routing/agreement"]
+    return out

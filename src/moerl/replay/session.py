@@ -3,8 +3,17 @@
 R3 replays the rollout engine's trace; R2 replays the trainer's own routing recorded in the
 old-logprob pass. Replayed rows take the trace's experts in the trace's column order; rows the
 trace marks invalid (padding, the last generated token, uncaptured rows) keep the native top-k.
-Replay is keyed by global layer number, never by position, and is idempotent per layer, so an
-activation-checkpointing recompute inside the session reuses exactly the same experts.
+Replay is keyed by global layer number, never by position.
+
+A session covers one forward *and its backward*: under activation checkpointing the MoE blocks run
+again during backward, and every call after the first for a layer reuses exactly the experts the
+first call used (what Megatron's REPLAY_BACKWARD and slime's backward cursor do). So keep the
+backward inside the ``with`` block.
+
+The experts the computation actually received are read by a forward hook on the innermost experts
+module (below any PEFT wrapper), which sees the arguments after every pre-hook ran, ours and anyone
+else's; violations are counted against the trace from those, so a wrong layer mapping or a foreign
+hook that changes the indices is caught, not assumed away.
 """
 from __future__ import annotations
 
@@ -15,55 +24,122 @@ import torch
 from torch import nn
 
 from moerl.models.routers import MoELayer, intercept_routing
+from moerl.replay.diagnostics import ReplayViolation, count_violations
 from moerl.replay.trace import RoutingTrace, TraceError, index_dtype
 
 
+def innermost_experts(block: nn.Module) -> nn.Module:
+    """The module that computes the experts: ``block.experts`` below any PEFT ``base_layer`` chain."""
+    module = block.experts
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
+
+
 class RoutingSession:
-    """What one forward (or forward + backward with recompute) routed, per MoE layer."""
+    """What one forward (plus its checkpoint recompute) routed, per MoE layer (global layer number)."""
 
     def __init__(self, batch_shape: tuple[int, int], replay: RoutingTrace | None, strict: bool):
         self.batch_shape = batch_shape
         self.replay_trace = replay
         self.strict = strict
-        self.native: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] native top-k (first forward)
-        self.used: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts actually used
-        self.violations = 0  # valid rows where the experts used differ from the replayed trace
+        self.native: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] native top-k (first call)
+        self.used: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the session chose (first call)
+        self.received: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the module got (first call)
+        self.calls: dict[int, int] = {}  # layer -> MoE calls seen (2 per layer under checkpointing)
+        self.violations = 0  # valid (row, layer, call)s whose received experts differ from the trace
+        self.layer_violations: dict[int, int] = {}
+        self.recompute_mismatches = 0  # rows where a recompute received other experts than the first call
         self.layers: list[MoELayer] = []
 
+    # -- the routing policy (runs in the experts pre-hook) -----------------------------------------
     def policy(self, layer: MoELayer, native: torch.Tensor, logits: torch.Tensor):
         n, t = self.batch_shape
+        number = layer.layer_number
         if native.shape[0] != n * t:
-            raise TraceError(f"layer {layer.layer_number}: MoE call saw {native.shape[0]} tokens, expected "
+            raise TraceError(f"layer {number}: MoE call saw {native.shape[0]} tokens, expected "
                              f"{n}x{t} (the session's batch shape)")
-        first = layer.layer_number not in self.native
-        if first:
-            self.native[layer.layer_number] = native.detach().view(n, t, -1).clone()
+        self.calls[number] = self.calls.get(number, 0) + 1
+        if self.calls[number] > 1:
+            # Recompute (activation checkpointing): the first call's experts, whatever native says now.
+            first = self.used[number].view(n * t, -1).to(native.device)
+            return None if torch.equal(first, native) else first
+        self.native[number] = native.detach().view(n, t, -1).clone()
         if self.replay_trace is None:
-            if first:
-                self.used[layer.layer_number] = self.native[layer.layer_number]
+            self.used[number] = self.native[number]
             return None
-        trace_idx, valid = self.replay_trace.layer(layer.layer_number)
-        flat_valid = valid.reshape(-1, 1)
-        chosen = torch.where(flat_valid, trace_idx.reshape(n * t, -1).to(native.device), native)
-        if first:
-            self.used[layer.layer_number] = chosen.detach().view(n, t, -1).clone()
+        trace_idx, valid = self.replay_trace.layer(number)
+        chosen = torch.where(valid.reshape(-1, 1).to(native.device), trace_idx.reshape(n * t, -1).to(native.device),
+                             native)
+        self.used[number] = chosen.detach().view(n, t, -1).clone()
         return chosen
 
-    def to_trace(self, valid: torch.Tensor, num_experts: int, top_k: int) -> RoutingTrace:
+    # -- the check (runs in a forward hook on the innermost experts module) --------------------------
+    def check(self, number: int, received: torch.Tensor) -> None:
+        n, t = self.batch_shape
+        got = received.detach().long().view(n, t, -1)
+        if number not in self.received:
+            self.received[number] = got.clone()
+        else:
+            self.recompute_mismatches += int((got != self.received[number].to(got.device)).any(-1).sum())
+        if self.replay_trace is None:
+            return
+        trace_idx, valid = self.replay_trace.layer(number)
+        bad = count_violations(got, trace_idx.to(got.device), valid.to(got.device))
+        if bad:
+            self.violations += bad
+            self.layer_violations[number] = self.layer_violations.get(number, 0) + bad
+            if self.strict:
+                mism = ((got != trace_idx.to(got.device)).any(-1) & valid.to(got.device)).nonzero()[0]
+                s, tok = int(mism[0]), int(mism[1])
+                raise ReplayViolation(
+                    f"layer {number}, sample {s}, token {tok}: experts received {got[s, tok].tolist()} but the "
+                    f"replayed trace says {trace_idx[s, tok].tolist()} ({bad} rows in this call)")
+
+    # -- results ------------------------------------------------------------------------------------
+    def to_trace(self, valid: torch.Tensor, num_experts: int | None = None, top_k: int | None = None) -> RoutingTrace:
         """The recorded native routing as a trace (R2 records this in the old-logprob pass)."""
+        if not self.native:
+            raise TraceError("the session recorded no MoE call (was the forward run inside it?)")
+        num_experts = self.layers[0].num_experts if num_experts is None else num_experts
+        top_k = self.layers[0].top_k if top_k is None else top_k
         numbers = tuple(sorted(self.native))
         idx = torch.stack([self.native[k] for k in numbers], dim=2).to(index_dtype(num_experts))
-        return RoutingTrace(idx, valid.bool(), numbers, num_experts, top_k)
+        return RoutingTrace(idx.cpu(), valid.bool().cpu(), numbers, num_experts, top_k)
+
+    def stacked(self, which: str = "received") -> torch.Tensor:
+        """[N, T, L_moe, k] of ``native``, ``used`` or ``received`` in global-layer order."""
+        table = getattr(self, which)
+        return torch.stack([table[k] for k in sorted(table)], dim=2)
 
 
 @contextmanager
 def routing_session(model: nn.Module, input_shape: tuple[int, int], replay: RoutingTrace | None = None,
                     strict: bool = False) -> Iterator[RoutingSession]:
-    session = RoutingSession(tuple(input_shape), replay, strict)
+    """Hooks for one forward (+ backward) on a batch of ``input_shape`` = (N, T).
+
+    ``replay``: a trace to replay (R3: the rollout's; R2: ``to_trace`` of the old-logprob session),
+    already sliced to this micro-batch and to the forwarded token columns. ``strict`` raises
+    ReplayViolation on the first valid row whose received experts differ from the trace.
+    """
+    session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict)
     with intercept_routing(model, session.policy) as layers:
         session.layers = layers
         if replay is not None:
             first = layers[0]
-            replay.check_fits(torch.empty(input_shape), tuple(lay.layer_number for lay in layers),
+            replay.check_fits(torch.empty(tuple(input_shape)), tuple(lay.layer_number for lay in layers),
                               first.num_experts, first.top_k)
-        yield session
+        handles = []
+        for layer in layers:
+            def received(module, args, kwargs, output, number=layer.layer_number):
+                index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+                if index is None:
+                    raise TraceError(f"layer {number}: cannot read the experts' top-k index argument")
+                session.check(number, index)
+
+            handles.append(innermost_experts(layer.block).register_forward_hook(received, with_kwargs=True))
+        try:
+            yield session
+        finally:
+            for h in handles:
+                h.remove()

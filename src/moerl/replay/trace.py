@@ -59,13 +59,20 @@ class RoutingTrace:
             used = idx[valid].long()
             bad = (used < 0) | (used >= self.num_experts)
             if bad.any():
-                sample = int(valid.nonzero()[bad.flatten(1).any(1).nonzero()[0, 0], 0])
-                raise TraceError(f"sample {sample}: expert id out of range [0, {self.num_experts})")
+                row = bad.flatten(1).any(1).nonzero()[0, 0]
+                sample, token = (int(x) for x in valid.nonzero()[row])
+                col = int(bad[row].any(-1).nonzero()[0, 0])
+                raise TraceError(f"sample {sample}, token {token}, layer {self.moe_layers[col]}: expert id "
+                                 f"{int(used[row, col][bad[row, col]][0])} out of range [0, {self.num_experts})")
             srt = used.sort(dim=-1).values
             dup = (srt[..., 1:] == srt[..., :-1]).flatten(1).any(1)
             if dup.any():
                 row = valid.nonzero()[dup.nonzero()[0, 0]]
-                raise TraceError(f"sample {int(row[0])}, token {int(row[1])}: duplicate experts in a valid row")
+                col = int((srt[dup.nonzero()[0, 0], :, 1:] == srt[dup.nonzero()[0, 0], :, :-1]).any(-1)
+                          .nonzero()[0, 0])
+                raise TraceError(f"sample {int(row[0])}, token {int(row[1])}, layer {self.moe_layers[col]}: "
+                                 f"duplicate experts in a valid row "
+                                 f"{idx[int(row[0]), int(row[1]), col].tolist()}")
 
     def check_fits(self, input_ids: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int,
                    top_k: int) -> None:
@@ -92,6 +99,31 @@ class RoutingTrace:
         """First ``length`` token positions (the trainer forwards ``input_ids[:, :-1]``)."""
         return RoutingTrace(self.indices[:, :length], self.valid[:, :length], self.moe_layers,
                             self.num_experts, self.top_k)
+
+    @classmethod
+    def cat(cls, traces: "list[RoutingTrace]") -> "RoutingTrace":
+        """Concatenate micro-batch traces along samples (R2 records the old-logprob pass per micro-batch)."""
+        if not traces:
+            raise TraceError("cannot concatenate an empty list of traces")
+        first = traces[0]
+        for i, tr in enumerate(traces[1:], start=1):
+            if (tr.moe_layers, tr.num_experts, tr.top_k) != (first.moe_layers, first.num_experts, first.top_k):
+                raise TraceError(f"trace {i} is for layers {tr.moe_layers}, {tr.num_experts} experts top-{tr.top_k}; "
+                                 f"trace 0 for {first.moe_layers}, {first.num_experts} experts top-{first.top_k}")
+            if tr.indices.shape[1] != first.indices.shape[1]:
+                raise TraceError(f"trace {i} has {tr.indices.shape[1]} token positions, trace 0 has "
+                                 f"{first.indices.shape[1]}")
+        return cls(torch.cat([t.indices for t in traces]), torch.cat([t.valid for t in traces]),
+                   first.moe_layers, first.num_experts, first.top_k)
+
+    def to(self, device) -> "RoutingTrace":
+        return RoutingTrace(self.indices.to(device), self.valid.to(device), self.moe_layers, self.num_experts,
+                            self.top_k)
+
+    def zero_invalid(self) -> "RoutingTrace":
+        """Same routes with invalid rows set to expert 0 (their content is never used; packing drops it)."""
+        idx = self.indices.masked_fill(~self.valid[:, :, None, None], 0)
+        return RoutingTrace(idx, self.valid, self.moe_layers, self.num_experts, self.top_k)
 
     def layer(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [N, T, k] as int64, valid [N, T]) for one global layer number."""

@@ -79,3 +79,12 @@ def strip_expert_lora(model: nn.Module) -> None:
             continue
         for pname in list(plist.keys()):
             parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+
+
+@torch.no_grad()
+def base_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The frozen base weights under plain names, *without* LoRA (what an adapter-refit engine holds)."""
+    out = {plain_name(n): t.detach() for n, t in model.state_dict().items() if not is_lora_name(n)}
+    if dtype is not None:
+        out = {k: v.to(dtype) for k, v in out.items()}
+    return out

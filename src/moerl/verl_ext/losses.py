@@ -103,7 +103,9 @@ def loss_config_for_verl(variant: str, config: Any, loss_agg_mode: str) -> LossC
         raise ValueError(f"actor.loss_agg_mode={loss_agg_mode!r} is not supported by moerl_{variant} "
                          f"(allowed: {sorted(AGG_FROM_VERL)})")
     clip = _get(config, "clip_ratio", None)
-    for verl_key, ours in (("clip_ratio_low", "eps_low"), ("clip_ratio_high", "eps_high")):
+    # verl's actor clip range is the PPO range, or GSPO's sequence-ratio range for gspo (as verl's gspo)
+    names = ("gspo_eps_low", "gspo_eps_high") if variant == "gspo" else ("eps_low", "eps_high")
+    for verl_key, ours in zip(("clip_ratio_low", "clip_ratio_high"), names):
         theirs = _get(config, verl_key, None)
         theirs = clip if theirs is None else theirs
         if theirs is not None and abs(float(theirs) - getattr(base, ours)) > 1e-12:
@@ -175,11 +177,15 @@ def verl_overrides(loss_cfg: LossConfig) -> list[str]:
     """Hydra overrides for verl's ``main_ppo`` that select ``moerl_<variant>`` with these knobs."""
     _check(loss_cfg, "verl_overrides")
     payload = json.dumps(to_dict(loss_cfg), separators=(",", ":"))
+    if loss_cfg.variant == "gspo":
+        lo, hi = loss_cfg.gspo_eps_low, loss_cfg.gspo_eps_high
+    else:
+        lo, hi = loss_cfg.eps_low, loss_cfg.eps_high
     env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     out = [
         f"actor_rollout_ref.actor.policy_loss.loss_mode=moerl_{loss_cfg.variant}",
-        f"actor_rollout_ref.actor.clip_ratio_low={loss_cfg.eps_low}",
-        f"actor_rollout_ref.actor.clip_ratio_high={loss_cfg.eps_high}",
+        f"actor_rollout_ref.actor.clip_ratio_low={lo}",
+        f"actor_rollout_ref.actor.clip_ratio_high={hi}",
         f"actor_rollout_ref.actor.loss_agg_mode={AGG_TO_VERL[loss_cfg.aggregation]}",
         # verl's own losses always apply the dual clip; 1e9 is "off" for them (moerl reads dual_clip_c)
         f"actor_rollout_ref.actor.clip_ratio_c={loss_cfg.dual_clip_c or NO_TRUNCATION:g}",

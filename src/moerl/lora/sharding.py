@@ -71,13 +71,15 @@ class Layout:
 @dataclass(frozen=True)
 class ShardSpec:
     """How a tensor splits. ``tp_dim`` None = replicated over TP/ETP; ``fused`` = segment sizes along
-    tp_dim; ``expert_dim`` set for fused expert tensors (split over EP unless its size is 1 = shared);
-    ``group`` says whether tp_dim splits over ``tp`` or ``etp``."""
+    tp_dim; ``expert_dim`` set for fused expert tensors (split over EP);
+    ``group`` says whether tp_dim splits over ``tp`` or ``etp``; ``shared`` marks a [1, ...] LoRA factor
+    shared by all experts (spec_for reads it from the shape)."""
 
     tp_dim: int | None = None
     fused: tuple[int, ...] | None = None
     expert_dim: int | None = None
     group: str = "tp"
+    shared: bool = False  # an expert-LoRA factor shared by all experts ([1, ...]): replicated over EP
 
     def tp_size(self, layout: Layout) -> int:
         return layout.etp if self.group == "etp" else layout.tp
@@ -89,10 +91,10 @@ REPLICATED = ShardSpec()
 def shard(t: torch.Tensor, spec: ShardSpec, layout: Layout, name: str = "tensor") -> dict[tuple[int, int], torch.Tensor]:
     """``{(ep_rank, tp_rank): shard}`` for one tensor (one entry per rank that holds a piece)."""
     tp = spec.tp_size(layout)
-    if spec.expert_dim is not None and t.shape[spec.expert_dim] > 1:
-        ep_blocks = split_dim(t, layout.ep, spec.expert_dim, f"{name} (experts over EP={layout.ep})")
-    elif spec.expert_dim is not None:
+    if spec.expert_dim is not None and spec.shared:
         ep_blocks = [t] * layout.ep  # a shared factor: replicated on every EP rank
+    elif spec.expert_dim is not None:
+        ep_blocks = split_dim(t, layout.ep, spec.expert_dim, f"{name} (experts over EP={layout.ep})")
     else:
         ep_blocks = [t]
     out = {}
@@ -126,7 +128,7 @@ def unshard(shards: Mapping[tuple[int, int], torch.Tensor], spec: ShardSpec, lay
             blocks.append(join_fused(pieces, spec.fused, spec.tp_dim))
         else:
             blocks.append(torch.cat(pieces, dim=spec.tp_dim))
-    if spec.expert_dim is not None and blocks[0].shape[spec.expert_dim] == 1 and n_ep > 1:
+    if spec.expert_dim is not None and spec.shared:
         _same(blocks, f"{name} (shared factor replicated over EP)")
         return blocks[0]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=spec.expert_dim)
@@ -179,11 +181,14 @@ def spec_for(name: str, shape: Sequence[int]) -> ShardSpec:
     """
     if ".experts." in name or name.startswith("experts."):
         is_gate_up = "gate_up_proj" in name
+        shared = len(shape) == 3 and shape[0] == 1
         if "lora_A" in name:
             # column-parallel base: A replicated; row-parallel base: A split on in (last dim)
-            return ShardSpec(None if is_gate_up else 2, None, 0, "etp")
+            return ShardSpec(None if is_gate_up else 2, None, 0, "etp", shared)
         if "lora_B" in name:
-            return ShardSpec(1, (shape[1] // 2, shape[1] // 2), 0, "etp") if is_gate_up else ShardSpec(None, None, 0, "etp")
+            if is_gate_up:
+                return ShardSpec(1, (shape[1] // 2, shape[1] // 2), 0, "etp", shared)
+            return ShardSpec(None, None, 0, "etp", shared)
         if is_gate_up:
             return ShardSpec(1, (shape[1] // 2, shape[1] // 2), 0, "etp")
         if name.endswith("down_proj"):

@@ -15,8 +15,8 @@ How verl reaches the functions (all of it is in ``verl_overrides``):
   env ``MOERL_LOSS_CONFIG`` (verl's ``PolicyLossConfig`` is a closed dataclass, so they cannot ride
   in the actor config). ``configure(loss_cfg)`` sets them in-process instead (tests, notebooks).
   PPO clip ranges and aggregation are verl's own keys (``actor.clip_ratio_low/high``,
-  ``actor.loss_agg_mode``); a clip range that disagrees with the moerl config is an error, not a
-  silent choice.
+  ``actor.loss_agg_mode``; for moerl_gspo the clip range is GSPO's, as in verl's ``gspo``); a clip
+  range that disagrees with the moerl config is an error, not a silent choice.
 - verl 0.9.1 hands the loss ``rollout_is_weights`` but not ``rollout_log_probs``. With
   ``algorithm.rollout_correction.rollout_is=token``, ``rollout_is_threshold=1e9`` (above e^20, so
   verl truncates nothing) and batch normalisation and rejection off, those weights are the raw

@@ -1,0 +1,17 @@
+from pathlib import Path
+
+import pytest
+
+from moerl.config import load_config
+from moerl.replay.diagnostics import replay_plan
+
+ARMS = Path(__file__).resolve().parents[2] / "experiments" / "00_tiny_moe_cpu" / "arms"
+
+
+@pytest.mark.parametrize("arm, mode, preset", [("r2", "R2", "qwen3_moe"), ("r3", "R3", "qwen3_moe"),
+                                               ("deepseek_r3", "R3", "deepseek_v3")])
+def test_replay_arms_load(arm, mode, preset):
+    cfg = load_config(ARMS / f"{arm}.yaml")
+    assert (cfg.arm, cfg.replay.mode, cfg.model.preset) == (arm, mode, preset)
+    plan = replay_plan(cfg.replay.mode)
+    assert not plan.needs_rollout_trace or cfg.rollout.capture_routing

@@ -1,0 +1,60 @@
+"""Refit into a rollout engine running in its own process (shared-memory buckets, checksums)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerl.config import ExperimentConfig
+from moerl.data.tokenizer import build_tokenizer
+from moerl.lora.peft_lora import apply_lora
+from moerl.models.presets import build_model
+from moerl.refit.engine_process import EngineProcess
+from moerl.refit.plan import CorruptBucketError
+from moerl.refit.refitter import make_refitter
+from moerl.refit.weights import effective_state_dict
+
+
+def _perturb(model, scale):
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * scale)
+
+
+@pytest.mark.parametrize("refit_mode", ["adapter"])  # merged: in-process tests + scripts/bench_refit.py
+def test_engine_process_refit_round_trip_and_corruption(refit_mode):
+    torch.manual_seed(0)
+    cfg = ExperimentConfig()
+    cfg.refit.mode, cfg.refit.bucket_mb = refit_mode, 0.1
+    tok = build_tokenizer()
+    policy = apply_lora(build_model(cfg.model, tok), cfg.lora, cfg.model.preset)
+    ids = torch.randint(3, 30, (3, 10))
+    with EngineProcess(cfg, policy) as engine:
+        refitter = make_refitter(cfg.refit, policy, engine, cfg.rollout.dtype)
+        _perturb(policy, 0.05)
+        metrics = refitter.sync()
+        assert metrics["refit/buckets"] >= 2 and metrics["refit/bytes"] > 0
+        merged = build_model(cfg.model, tok)
+        merged.load_state_dict(effective_state_dict(policy))
+        with torch.no_grad():
+            ref32 = merged(input_ids=ids).logits
+            ref16 = merged.to(torch.bfloat16)(input_ids=ids).logits.float()
+        got = engine.logits(ids)
+        # within bf16 tolerance of the freshly merged model (a bf16 copy of it is as far off)
+        assert (got - ref32).abs().mean() <= 2 * (ref16 - ref32).abs().mean() + 1e-4
+        if refit_mode == "merged":
+            assert torch.equal(got, ref16)  # merged refit == loading the merged weights in bf16
+        eff = engine.effective_state_dict()
+        w = "model.layers.1.mlp.experts.down_proj"
+        assert torch.allclose(eff[w], effective_state_dict(policy)[w], atol=2e-2)
+
+        # corrupted bucket: the error names it and the engine keeps the previous weights
+        _perturb(policy, 1.0)
+        refitter._tamper = lambda index, buf: buf.__setitem__(3, buf[3] ^ 0x40) if index == 1 else None
+        with pytest.raises(CorruptBucketError, match=r"bucket 1 of \d+"):
+            refitter.sync()
+        assert torch.equal(engine.logits(ids), got)
+        refitter._tamper = None
+        refitter.sync()  # and the next clean refit applies
+        assert not torch.equal(engine.logits(ids), got)
+        assert refitter.cache.misses == 1 and refitter.cache.hits == 2

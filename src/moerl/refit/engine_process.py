@@ -89,6 +89,8 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
                 with torch.no_grad():
                     ids, mask = msg[1], msg[2]
                     out = model(input_ids=ids, attention_mask=mask).logits.float()
+            elif op == "ping":  # round-trip cost of one message (the benchmark's fixed cost)
+                out = None
             elif op == "effective":
                 from moerl.refit.weights import effective_state_dict
 
@@ -155,6 +157,9 @@ class EngineProcess:
     # -- requests ------------------------------------------------------------------------------
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self._call("logits", input_ids, attention_mask)
+
+    def ping(self) -> None:
+        self._call("ping")
 
     def effective_state_dict(self) -> dict[str, torch.Tensor]:
         return self._call("effective")

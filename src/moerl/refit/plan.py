@@ -156,30 +156,52 @@ def _view(buf: torch.Tensor, slot: Slot, dtype: torch.dtype) -> torch.Tensor:
     return buf[slot.offset:slot.offset + slot.nbytes].view(dtype).view(slot.shape)
 
 
+_VIEWS: dict = {}  # (plan signature, bucket, buffer address, rank) -> [(slot, typed view)]: computed once
+
+
+def _views(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan, rank=None) -> list:
+    """Typed views of a bucket's slots in ``buf``, cached: buffers are reused refit after refit, so a
+    refit does no per-tensor slicing/view work (NeMo-RL's "ahead-of-time metadata" lesson)."""
+    key = (plan.signature, bucket.index, buf.data_ptr(), buf.numel(), rank)
+    views = _VIEWS.get(key)
+    if views is None:
+        if len(_VIEWS) > 4096:
+            _VIEWS.clear()
+        dtype = dtype_of(plan.wire_dtype)
+        views = _VIEWS[key] = [(s, _view(buf, s, dtype)) for s in bucket.slots if rank is None or s.rank == rank]
+    return views
+
+
 @torch.no_grad()
 def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor, plan: TransferPlan) -> int:
     """Copy (casting to the wire dtype, resharding to the engine's layout) into ``buf``; return checksum."""
-    dtype = dtype_of(plan.wire_dtype)
     sharded: dict[str, dict] = {}
-    for slot in bucket.slots:
+    for slot, view in _views(bucket, buf, plan):
         t = tensors[slot.name]
         if plan.engine_layout != Layout():
             if slot.name not in sharded:
                 sharded[slot.name] = shard(t, spec_for(slot.name, tuple(t.shape)), plan.engine_layout, slot.name)
             t = sharded[slot.name][slot.rank]
-        if tuple(t.shape) != slot.shape:
+        if t.shape != view.shape:
             raise RefitError(f"refit: tensor '{slot.name}' has shape {tuple(t.shape)}, the cached plan says "
                              f"{slot.shape} (the model changed; build a new plan)")
-        _view(buf, slot, dtype).copy_(t)
+        view.copy_(t)
     return checksum(buf[:bucket.nbytes])
 
 
 @torch.no_grad()
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan,
-                  rank: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
-    """Copies (not views) of this rank's tensors: the buffer is reused for the next bucket."""
-    dtype = dtype_of(plan.wire_dtype)
-    return {s.name: _view(buf, s, dtype).clone() for s in bucket.slots if s.rank == rank}
+                  rank: tuple[int, int] = (0, 0), out: dict | None = None) -> dict[str, torch.Tensor]:
+    """Copies (not views) of this rank's tensors: the buffer is reused for the next bucket. With
+    ``out`` (a staging dict from an earlier refit of the same plan) the copies go into its tensors."""
+    out = {} if out is None else out
+    for slot, view in _views(bucket, buf, plan, rank):
+        dst = out.get(slot.name)
+        if dst is None:
+            out[slot.name] = view.clone()
+        else:
+            dst.copy_(view)
+    return out
 
 
 class Receiver:
@@ -191,13 +213,15 @@ class Receiver:
     def __init__(self, apply, rank: tuple[int, int] = (0, 0)):
         self.apply, self.rank = apply, rank
         self.plan: TransferPlan | None = None
+        self.staged = {}
         self._reset(None)
 
     def _reset(self, version) -> None:
-        self.version, self.staged, self.received, self.error = version, {}, set(), None
+        self.version, self.received, self.error = version, set(), None
 
     def set_plan(self, plan: TransferPlan) -> None:
         self.plan = plan
+        self.staged: dict[str, torch.Tensor] = {}  # staging tensors, allocated once per plan and reused
         self._reset(None)
 
     def stage(self, version: int, index: int, buf: torch.Tensor, expected: int) -> None:
@@ -218,7 +242,7 @@ class Receiver:
                           f"(got {got:#018x}, sender said {expected:#018x}; {bucket.nbytes} bytes, first tensor "
                           f"'{bucket.slots[0].name}'); keeping the previous weights")
             raise CorruptBucketError(self.error)
-        self.staged.update(unpack_bucket(bucket, buf, self.plan, self.rank))
+        unpack_bucket(bucket, buf, self.plan, self.rank, out=self.staged)
         self.received.add(index)
 
     def commit(self, version: int) -> int:

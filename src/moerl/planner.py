@@ -1,0 +1,466 @@
+"""Capacity planner for the scale experiments: parameters, per-GPU memory, refit and trace bytes.
+
+Why it exists: one launch of experiment 01 costs thousands of GPU-hours, so whether a layout fits
+must be known before the job is queued. Everything here is arithmetic on a model's *public*
+config (``moerl/models/public_configs/*.json``, no hub download) and the parallel layout that the
+launcher composes; no torch, no GPU.
+
+Conventions (stated once, used everywhere):
+- ``total`` counts every weight of the main model: input embedding, all decoder layers (attention,
+  norms, dense MLPs, routed and shared experts, router weights and biases) and the output head.
+  Multi-token-prediction (MTP) modules are reported separately (``mtp``) and are *not* in
+  ``total``, as DeepSeek counts its 671B.
+- ``active`` is ``total`` with the routed experts of each MoE layer replaced by ``top_k`` of them.
+  The input embedding is included (it is a lookup, but published "activated" figures include it).
+- Layers are numbered from 0 (the HF ``model.layers.{i}`` index, which is also RoutingTrace's
+  ``moe_layers`` convention); Megatron's ``layer_number`` is this plus one.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PUBLIC_CONFIG_DIR = Path(__file__).resolve().parent / "models" / "public_configs"
+GIB = 1024**3
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
+
+
+class PlanError(ValueError):
+    """A model config or layout the planner cannot use; the message names the key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# model configs
+# ---------------------------------------------------------------------------------------------
+
+REQUIRED = {
+    "deepseek_v3": ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "tie_word_embeddings"),
+    "qwen3_moe": ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+                  "num_experts_per_tok", "tie_word_embeddings"),
+}
+
+
+def load_public_config(name_or_path: str | Path) -> dict:
+    """A shipped public config by name (``kimi_k2``) or a JSON file path; checks required keys."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PUBLIC_CONFIG_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        have = sorted(p.stem for p in PUBLIC_CONFIG_DIR.glob("*.json"))
+        raise PlanError(f"model config '{name_or_path}' not found (looked for {path}; shipped: {have})")
+    cfg = json.loads(path.read_text())
+    family = cfg.get("family")
+    if family not in REQUIRED:
+        raise PlanError(f"{path}: 'family' must be one of {sorted(REQUIRED)}, got {family!r}")
+    missing = [k for k in REQUIRED[family] if k not in cfg]
+    if missing:
+        raise PlanError(f"{path}: missing keys {missing} for family {family}")
+    cfg["_path"] = str(path)
+    return cfg
+
+
+def num_experts(cfg: dict) -> int:
+    return cfg["n_routed_experts"] if cfg["family"] == "deepseek_v3" else cfg["num_experts"]
+
+
+def moe_layer_indices(cfg: dict) -> list[int]:
+    """Global (0-based) numbers of the MoE layers. DeepSeek-V3-style models start with
+    ``first_k_dense_replace`` dense layers, so MoE layer *j* is decoder layer ``j + k``: mapping
+    replay data by position instead of by this number is the bug that broke R3 on Moonlight."""
+    n = cfg["num_hidden_layers"]
+    if cfg["family"] == "deepseek_v3":
+        k, freq = cfg["first_k_dense_replace"], cfg.get("moe_layer_freq", 1)
+        return [i for i in range(n) if i >= k and i % freq == 0]
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers", []))
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def megatron_moe_layer_freq(cfg: dict) -> list[int]:
+    """The per-layer 0/1 pattern Megatron-Core's ``moe_layer_freq`` must hold for this model."""
+    moe = set(moe_layer_indices(cfg))
+    return [int(i in moe) for i in range(cfg["num_hidden_layers"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# linear layers: (name, in_features, out_features) per decoder layer, in Megatron names
+# ---------------------------------------------------------------------------------------------
+
+def attention_linears(cfg: dict) -> list[tuple[str, int, int]]:
+    """Attention projections with Megatron-Core module names (what LoRA target_modules match)."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg["family"] == "deepseek_v3":  # MLA
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        out = []
+        if cfg["q_lora_rank"]:
+            out += [("linear_q_down_proj", h, cfg["q_lora_rank"]),
+                    ("linear_q_up_proj", cfg["q_lora_rank"], nh * qk)]
+        else:
+            out += [("linear_q_proj", h, nh * qk)]
+        out += [("linear_kv_down_proj", h, cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]),
+                ("linear_kv_up_proj", cfg["kv_lora_rank"],
+                 nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])),
+                ("linear_proj", nh * cfg["v_head_dim"], h)]
+        return out
+    hd, nkv = cfg["head_dim"], cfg["num_key_value_heads"]
+    return [("linear_qkv", h, (nh + 2 * nkv) * hd), ("linear_proj", nh * hd, h)]
+
+
+def attention_norm_params(cfg: dict) -> int:
+    """Norm weights inside attention (MLA latent norms / Qwen3 per-head q,k norms)."""
+    if cfg["family"] == "deepseek_v3":
+        return (cfg["q_lora_rank"] or 0) + cfg["kv_lora_rank"]
+    return 2 * cfg["head_dim"]
+
+
+def mlp_linears(hidden: int, inter: int) -> list[tuple[str, int, int]]:
+    """SwiGLU MLP in Megatron layout: fc1 is the fused gate+up projection."""
+    return [("linear_fc1", hidden, 2 * inter), ("linear_fc2", inter, hidden)]
+
+
+def _params(linears) -> int:
+    return sum(i * o for _, i, o in linears)
+
+
+@dataclass
+class ParamCounts:
+    total: int
+    active: int
+    embedding: int
+    lm_head: int
+    attention: int
+    dense_mlp: int
+    routed_experts: int
+    shared_experts: int
+    router: int
+    norms: int
+    mtp: int
+    per_expert: int
+    num_moe_layers: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def count_params(cfg: dict) -> ParamCounts:
+    h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    moe = moe_layer_indices(cfg)
+    e, k = num_experts(cfg), cfg["num_experts_per_tok"]
+    attn = n * (_params(attention_linears(cfg)) + attention_norm_params(cfg))
+    norms = n * 2 * h + h  # input + post-attention norm per layer, final norm
+    per_expert = _params(mlp_linears(h, cfg["moe_intermediate_size"]))
+    n_dense = n - len(moe)
+    dense = n_dense * _params(mlp_linears(h, cfg.get("intermediate_size", 0))) if n_dense else 0
+    routed = len(moe) * e * per_expert
+    shared = len(moe) * cfg.get("n_shared_experts", 0) * per_expert
+    # router weight [E, H]; DeepSeek-V3 adds the e_score_correction_bias [E]
+    router = len(moe) * (e * h + (e if cfg["family"] == "deepseek_v3" else 0))
+    emb = v * h
+    head = 0 if cfg["tie_word_embeddings"] else v * h
+    total = emb + head + attn + norms + dense + routed + shared + router
+    active = total - routed + len(moe) * k * per_expert
+    mtp = 0
+    if cfg.get("num_nextn_predict_layers", 0):
+        # one full MoE decoder layer + eh_proj [H, 2H] + enorm/hnorm, sharing embedding and head
+        one_layer = (_params(attention_linears(cfg)) + attention_norm_params(cfg) + 2 * h
+                     + (e + cfg.get("n_shared_experts", 0)) * per_expert + e * h + e)
+        mtp = cfg["num_nextn_predict_layers"] * (one_layer + 2 * h * h + 3 * h)
+    return ParamCounts(total=total, active=active, embedding=emb, lm_head=head, attention=attn,
+                       dense_mlp=dense, routed_experts=routed, shared_experts=shared, router=router,
+                       norms=norms, mtp=mtp, per_expert=per_expert, num_moe_layers=len(moe))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------------------------
+
+EXPERT_ADAPTER_MODES = ("shared", "per_expert")
+
+
+def lora_target_names(cfg: dict) -> set[str]:
+    """Every Megatron module name a LoRA target can match in this model."""
+    return {name for name, _, _ in attention_linears(cfg)} | {"linear_fc1", "linear_fc2"}
+
+
+@dataclass
+class LoraCounts:
+    total: int
+    attention: int
+    dense_mlp: int
+    shared_experts: int
+    routed_experts: int
+    routed_per_layer: int
+    unmatched_targets: list[str] = field(default_factory=list)
+
+
+def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str = "shared",
+                      normalize_moe_lora: bool = False) -> LoraCounts:
+    """LoRA parameters r*(in+out) per targeted linear, as Megatron-Bridge places them.
+
+    ``linear_fc1``/``linear_fc2`` match the dense MLPs, the shared experts and the routed experts
+    (Bridge regex ``.*experts.*linear_fc[12]``). Routed experts get one adapter per layer shared
+    by all of that layer's experts (``share_expert_adapters=True``, the Bridge default) or one per
+    expert (``per_expert``); ``normalize_moe_lora`` divides the expert rank by top-k.
+    """
+    if expert_mode not in EXPERT_ADAPTER_MODES:
+        raise PlanError(f"expert adapter mode must be one of {EXPERT_ADAPTER_MODES}, got {expert_mode!r}")
+    names = lora_target_names(cfg)
+    unmatched = [t for t in targets if t not in names]
+
+    def lora(linears, r=rank):
+        return sum(r * (i + o) for name, i, o in linears if name in targets)
+
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    moe = moe_layer_indices(cfg)
+    attn = n * lora(attention_linears(cfg))
+    n_dense = n - len(moe)
+    dense = n_dense * lora(mlp_linears(h, cfg.get("intermediate_size", 0))) if n_dense else 0
+    expert_lin = mlp_linears(h, cfg["moe_intermediate_size"])
+    shared = len(moe) * cfg.get("n_shared_experts", 0) * lora(expert_lin)
+    r_exp = max(1, rank // cfg["num_experts_per_tok"]) if normalize_moe_lora else rank
+    per_layer = lora(expert_lin, r_exp) * (num_experts(cfg) if expert_mode == "per_expert" else 1)
+    routed = len(moe) * per_layer
+    return LoraCounts(total=attn + dense + shared + routed, attention=attn, dense_mlp=dense,
+                      shared_experts=shared, routed_experts=routed, routed_per_layer=per_layer,
+                      unmatched_targets=unmatched)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    """The trainer (Megatron) and rollout (vLLM) layouts of one experiment, as composed."""
+
+    n_gpus: int
+    gpu_mem_gib: float
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    rollout_tp: int = 1
+    rollout_ep: int = 1
+    rollout_dp: int = 1
+    gpu_memory_utilization: float = 0.5
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    recompute_full: bool = False
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    expert_mode: str = "shared"
+    lora_merge: bool = False
+    fully_sharded_loras: bool = False
+    prompt_len: int = 1024
+    response_len: int = 2048
+    micro_batch_tokens: int = 8192
+    train_batch_size: int = 128
+    rollout_n: int = 8
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+
+    @property
+    def dp(self) -> int:
+        return self.n_gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        return self.n_gpus // (self.etp * self.ep * self.pp)
+
+
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int, tp: int) -> float:
+    """KV cache bytes per token per TP rank. MLA caches the compressed latent plus the rope key
+    (kv_lora_rank + qk_rope_head_dim per layer), replicated on every TP rank in vLLM; GQA caches
+    K and V of its KV heads, split over TP (replicated when TP exceeds the KV head count)."""
+    n = cfg["num_hidden_layers"]
+    if cfg["family"] == "deepseek_v3":
+        return n * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * dtype_bytes
+    kv_heads_per_rank = max(1, cfg["num_key_value_heads"] // tp)
+    return n * 2 * kv_heads_per_rank * cfg["head_dim"] * dtype_bytes
+
+
+@dataclass
+class MemoryLine:
+    name: str
+    gib: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    model: str
+    params: ParamCounts
+    lora: LoraCounts | None
+    trainer: list[MemoryLine]
+    rollout: list[MemoryLine]
+    gpu_mem_gib: float
+    refit_adapter_bytes: int
+    refit_merged_bytes: int
+    refit_merged_per_rollout_rank_bytes: int
+    trace_tokens_per_step: int
+    trace_packed_bytes: int
+    trace_int16_bytes: int
+    trace_bits_per_token: int
+    rollout_kv_tokens: float
+    trainer_resident_during_rollout_gib: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def trainer_gib(self) -> float:
+        return sum(x.gib for x in self.trainer)
+
+    @property
+    def rollout_gib(self) -> float:
+        return sum(x.gib for x in self.rollout)
+
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The max_lora_rank verl passes to vLLM: the rank rounded up to an allowed value
+    (verl/workers/rollout/vllm_rollout/utils.py::get_vllm_max_lora_rank)."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise PlanError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}")
+
+
+def routing_trace_bits_per_token(cfg: dict) -> int:
+    """L_moe * k * ceil(log2 E) bits: the information in one token's routing decision."""
+    return len(moe_layer_indices(cfg)) * cfg["num_experts_per_tok"] * math.ceil(math.log2(num_experts(cfg)))
+
+
+def plan(cfg: dict, layout: Layout) -> Plan:
+    """Per-GPU memory of trainer and rollout, refit and trace bytes; ``problems`` lists what does
+    not fit (empty when the layout fits)."""
+    pc = count_params(cfg)
+    wb = DTYPE_BYTES[layout.weight_dtype]
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.etp
+    # Megatron: dense weights split over TP*PP; expert weights over EP*ETP*PP. Embedding and head
+    # live on the first/last stage only, split over TP: the worst stage holds one of them.
+    expert_w = pc.routed_experts + pc.shared_experts
+    dense_w = pc.total - expert_w - pc.embedding - pc.lm_head
+    per_gpu = dense_w / (tp * pp) + pc.routed_experts / (ep * etp * pp) + pc.shared_experts / (tp * pp)
+    per_gpu += max(pc.embedding, pc.lm_head) / tp
+    base_gib = per_gpu * wb / GIB
+    # Peak is during the update, when verl has loaded everything back; offload only frees the GPU
+    # for the colocated rollout (checked below).
+    trainer = [MemoryLine("base weights (bf16, frozen)", base_gib)]
+    lora = None
+    if layout.lora_rank > 0:
+        lora = count_lora_params(cfg, layout.lora_rank, list(layout.lora_targets), layout.expert_mode)
+        # adapters shard like their base linears; expert adapters follow EP (per-expert) or are
+        # replicated on every EP rank (shared), dense ones follow TP
+        routed_l = lora.routed_experts / (ep * pp) if layout.expert_mode == "per_expert" else lora.routed_experts / pp
+        lora_per_gpu = (lora.total - lora.routed_experts) / (tp * pp) + routed_l
+        trainer.append(MemoryLine("LoRA params (bf16)", lora_per_gpu * wb / GIB))
+        # fp32 main grads + Adam fp32 master, m, v: 4 + 12 bytes, distributed optimizer over DP
+        trainer.append(MemoryLine("LoRA grads (fp32)", lora_per_gpu * 4 / GIB))
+        optim = lora_per_gpu * 12 / max(1, layout.dp) / GIB
+        trainer.append(MemoryLine("optimizer states (fp32 master+Adam, sharded over DP)", optim))
+    else:
+        full = per_gpu
+        trainer.append(MemoryLine("grads (fp32)", full * 4 / GIB))
+        trainer.append(MemoryLine("optimizer states (fp32 master+Adam, sharded over DP)",
+                                  full * 12 / max(1, layout.dp) / GIB))
+    # Activations: per micro-batch token, per layer on this stage. Full recompute keeps only the
+    # layer inputs (2*H bytes bf16 per token per layer, split over TP*CP with sequence parallel)
+    # plus one layer's working set; without recompute ~34*H bytes per token per layer (Korthikanti
+    # et al. 2022, selective recompute, SP on) and the MoE dispatch buffers k*H*2 bytes.
+    h = cfg["hidden_size"]
+    tokens = layout.micro_batch_tokens / layout.cp
+    layers_here = math.ceil(cfg["num_hidden_layers"] / pp)
+    k = cfg["num_experts_per_tok"]
+    if layout.recompute_full:
+        act = tokens * layers_here * 2 * h / tp + tokens * (34 * h / tp + 4 * k * h)
+    else:
+        act = tokens * layers_here * (34 * h / tp + 4 * k * h)
+    # logits for the micro-batch (fp32, vocab split over TP) are the other large term
+    act += tokens * cfg["vocab_size"] * 4 / tp
+    trainer.append(MemoryLine("activations (estimate)", act / GIB,
+                              f"{int(tokens)} tokens/micro-batch, {layers_here} layers/stage"))
+    trainer.append(MemoryLine("CUDA context + NCCL + fragmentation", 4.0, "fixed allowance"))
+
+    # rollout: vLLM, weights over rollout TP (experts over TP too: no EP for MoE-LoRA)
+    rtp = layout.rollout_tp
+    w_roll = pc.total * wb / rtp / layout.rollout_ep if layout.rollout_ep > 1 else pc.total * wb / rtp
+    rollout = [MemoryLine("weights per TP rank (bf16)", w_roll / GIB)]
+    adapter_elems = 0
+    if lora is not None and not layout.lora_merge:
+        # vLLM holds expert adapters per expert ([max_loras, E, r, ...]); Megatron-Bridge exports a
+        # shared expert adapter replicated under every expert name (upstream_code.md section 2), so
+        # both the refit payload and the vLLM slot have the per-expert size.
+        one_expert = lora.routed_per_layer // (num_experts(cfg) if layout.expert_mode == "per_expert" else 1)
+        adapter_elems = (lora.total - lora.routed_experts
+                         + len(moe_layer_indices(cfg)) * num_experts(cfg) * one_expert)
+        # vLLM sizes the slot at max_lora_rank (rank rounded up to an allowed value). Without
+        # fully_sharded_loras, the fused-MoE LoRA keeps fc1's A [r, H] and fc2's B [H, r]
+        # replicated on every TP rank (only the intermediate side is split), and about half of
+        # each attention pair is replicated; with it, everything is split over TP.
+        # (a rank above vLLM's maximum is reported by the launcher's lora.vllm_max_lora_rank check)
+        slot_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= layout.lora_rank), layout.lora_rank)
+        expert_elems = len(moe_layer_indices(cfg)) * num_experts(cfg) * one_expert
+        other_elems = adapter_elems - expert_elems
+        if layout.fully_sharded_loras:
+            per_rank = adapter_elems / rtp
+        else:
+            hh, ii = cfg["hidden_size"], cfg["moe_intermediate_size"]
+            rep = 2 * hh / (2 * hh + 3 * ii)
+            per_rank = other_elems * (0.5 + 0.5 / rtp) + expert_elems * (rep + (1 - rep) / rtp)
+        slot = per_rank * slot_rank / layout.lora_rank * wb
+        rollout.append(MemoryLine("LoRA slot (per-expert layout, bf16)", slot / GIB,
+                                  f"max_lora_rank={slot_rank}"))
+    budget = layout.gpu_mem_gib * layout.gpu_memory_utilization
+    # Colocated (hybrid engine): what the trainer keeps on the GPU while vLLM runs.
+    params_grads = sum(x.gib for x in trainer[:3] if not x.name.startswith("optimizer"))
+    optim_gib = sum(x.gib for x in trainer if x.name.startswith("optimizer"))
+    resident = (0.0 if layout.param_offload else params_grads) + (0.0 if layout.optimizer_offload else optim_gib)
+    rollout.append(MemoryLine("activation/graph workspace (allowance)", 2.0))
+    kv_gib = budget - sum(x.gib for x in rollout)
+    rollout.append(MemoryLine("KV cache (what is left of gpu_memory_utilization)", max(kv_gib, 0.0),
+                              f"gpu_memory_utilization={layout.gpu_memory_utilization}"))
+    kvb = kv_bytes_per_token(cfg, DTYPE_BYTES[layout.kv_dtype], rtp)
+    kv_tokens = max(kv_gib, 0.0) * GIB / kvb
+
+    # refit: adapter-only sends each adapter tensor once (vLLM per-expert layout); merged sends the
+    # whole model in bf16
+    adapter_bytes = adapter_elems * wb
+    merged_bytes = pc.total * wb
+    # trace bytes per step: every token of every sample (prompt + response), all MoE layers
+    tokens_step = layout.train_batch_size * layout.rollout_n * (layout.prompt_len + layout.response_len)
+    bits = routing_trace_bits_per_token(cfg)
+    packed = math.ceil(tokens_step * bits / 8)
+    int16 = tokens_step * len(moe_layer_indices(cfg)) * k * 2
+
+    problems = []
+    if resident + budget > layout.gpu_mem_gib:
+        problems.append(f"colocated rollout: trainer keeps {resident:.1f} GiB resident (param_offload="
+                        f"{layout.param_offload}, optimizer_offload={layout.optimizer_offload}) plus vLLM's "
+                        f"{budget:.1f} GiB exceeds {layout.gpu_mem_gib:.0f} GiB "
+                        f"(over by {resident + budget - layout.gpu_mem_gib:.1f} GiB)")
+    trainer_total = sum(x.gib for x in trainer)
+    if trainer_total > layout.gpu_mem_gib:
+        problems.append(f"trainer needs {trainer_total:.1f} GiB per GPU but the GPU has {layout.gpu_mem_gib:.0f} GiB "
+                        f"(over by {trainer_total - layout.gpu_mem_gib:.1f} GiB)")
+    if kv_gib <= 0:
+        problems.append(f"rollout weights need {sum(x.gib for x in rollout[:-1]):.1f} GiB per GPU but "
+                        f"gpu_memory_utilization*{layout.gpu_mem_gib:.0f} GiB = {budget:.1f} GiB "
+                        f"(over by {-kv_gib:.1f} GiB; no room for a KV cache)")
+    else:
+        seq = layout.prompt_len + layout.response_len
+        if kv_tokens < seq:
+            problems.append(f"rollout KV cache holds {kv_tokens:.0f} tokens per replica, less than one "
+                            f"sequence of {seq} tokens")
+    return Plan(model=cfg.get("name", "?"), params=pc, lora=lora, trainer=trainer, rollout=rollout,
+                gpu_mem_gib=layout.gpu_mem_gib, refit_adapter_bytes=adapter_bytes,
+                refit_merged_bytes=merged_bytes, refit_merged_per_rollout_rank_bytes=merged_bytes // rtp,
+                trace_tokens_per_step=tokens_step, trace_packed_bytes=packed, trace_int16_bytes=int16,
+                trace_bits_per_token=bits, rollout_kv_tokens=kv_tokens,
+                trainer_resident_during_rollout_gib=resident, problems=problems)

@@ -1,0 +1,311 @@
+"""Launch a scale experiment: compose against verl's config, validate, print, run main_ppo.
+
+    python -m moerl.verl_ext.launch experiments/02_kimi_k2_lora_grpo_r3 [--arm X] [--dry-run]
+
+Every check here exists because the mistake it catches costs a multi-node job: it names the
+constraint that broke. The run itself is ``python -m verl.trainer.main_ppo`` with the composed
+overrides; verl starts Ray itself, or joins the cluster in ``RAY_ADDRESS`` (multi-node, see
+scripts/slurm_verl.sbatch).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from moerl import planner
+from moerl.verl_ext.compose import (VERL_CONFIG_NAME, Experiment, ExperimentError, compose_experiment,
+                                    env_for, load_experiment, select)
+
+# The first vLLM whose routed-experts capture verl accepts (vllm_async_server.py fails below it).
+R3_MIN_VLLM = (0, 22, 0)
+REPO = Path(__file__).resolve().parents[3]
+
+
+class ConstraintError(ValueError):
+    """A composed experiment that violates a layout/feature constraint; names the constraint."""
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _v(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def pinned_version(package: str, requirements: Path = REPO / "requirements-gpu.txt") -> str | None:
+    """The ``package==X`` pin in requirements-gpu.txt (what the cluster installs)."""
+    if not requirements.exists():
+        return None
+    for line in requirements.read_text().splitlines():
+        m = re.match(rf"^\s*{re.escape(package)}(\[[^\]]*\])?==([^\s;#]+)", line, re.I)
+        if m:
+            return m.group(2)
+    return None
+
+
+def vllm_version_for_run() -> tuple[str, str]:
+    """(version, where it came from): the installed vLLM if any, else the requirements-gpu pin."""
+    try:
+        from importlib.metadata import version
+
+        return version("vllm"), "installed"
+    except Exception:
+        pin = pinned_version("vllm")
+        return (pin or "0"), "requirements-gpu.txt pin" if pin else "not installed and not pinned"
+
+
+def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
+    a = "actor_rollout_ref.actor.megatron."
+    r = "actor_rollout_ref.rollout."
+    otc = select(cfg, a + "override_transformer_config") or {}
+    lora = select(cfg, "actor_rollout_ref.model.lora") or {}
+    etp = select(cfg, a + "expert_tensor_parallel_size")
+    micro = select(cfg, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu") or 8192
+    return planner.Layout(
+        n_gpus=int(select(cfg, "trainer.nnodes")) * int(select(cfg, "trainer.n_gpus_per_node")),
+        gpu_mem_gib=float(moerl.get("gpu_mem_gib", 80)),
+        tp=int(select(cfg, a + "tensor_model_parallel_size")),
+        pp=int(select(cfg, a + "pipeline_model_parallel_size")),
+        ep=int(select(cfg, a + "expert_model_parallel_size")),
+        etp=int(etp) if etp is not None else int(select(cfg, a + "tensor_model_parallel_size")),
+        cp=int(select(cfg, a + "context_parallel_size")),
+        rollout_tp=int(select(cfg, r + "tensor_model_parallel_size")),
+        rollout_ep=int(select(cfg, r + "expert_parallel_size")),
+        rollout_dp=int(select(cfg, r + "data_parallel_size")),
+        gpu_memory_utilization=float(select(cfg, r + "gpu_memory_utilization")),
+        param_offload=bool(select(cfg, a + "param_offload")),
+        optimizer_offload=bool(select(cfg, a + "optimizer_offload")),
+        recompute_full=otc.get("recompute_granularity") == "full",
+        lora_rank=int(lora.get("rank", 0) or 0),
+        lora_targets=tuple(lora.get("target_modules") or ()),
+        expert_mode="shared" if lora.get("share_expert_adapters", True) else "per_expert",
+        lora_merge=bool(lora.get("merge", False)),
+        fully_sharded_loras=bool(lora.get("fully_sharded_loras", False)),
+        prompt_len=int(select(cfg, "data.max_prompt_length")),
+        response_len=int(select(cfg, "data.max_response_length")),
+        micro_batch_tokens=int(micro),
+        train_batch_size=int(select(cfg, "data.train_batch_size")),
+        rollout_n=int(select(cfg, r + "n")),
+    )
+
+
+def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
+    """All moerl constraints on a composed config; returns the checks and the capacity plan."""
+    moerl = exp.moerl
+    if "model" not in moerl:
+        raise ExperimentError(f"{exp.files[-1]}: moerl.model is required (a public config name, "
+                              f"e.g. kimi_k2)")
+    mcfg = planner.load_public_config(moerl["model"])
+    lay = layout_from_cfg(cfg, moerl)
+    checks: list[Check] = []
+
+    def check(name, ok, detail):
+        checks.append(Check(name, bool(ok), detail))
+
+    heads, layers = mcfg["num_attention_heads"], mcfg["num_hidden_layers"]
+    experts = planner.num_experts(mcfg)
+    n = lay.n_gpus
+    check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
+          f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
+    check("layout.dense_divides_gpus", n % (lay.tp * lay.pp * lay.cp) == 0,
+          f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} must divide {n} GPUs")
+    check("layout.expert_divides_gpus", n % (lay.ep * lay.etp * lay.pp) == 0,
+          f"EP*ETP*PP = {lay.ep}*{lay.etp}*{lay.pp} must divide {n} GPUs")
+    check("layout.tp_divides_heads", heads % lay.tp == 0, f"TP={lay.tp} must divide {heads} attention heads")
+    if mcfg["family"] == "qwen3_moe":
+        kv = mcfg["num_key_value_heads"]
+        check("layout.tp_divides_kv_heads", kv % lay.tp == 0 or lay.tp % kv == 0,
+              f"TP={lay.tp} and the {kv} KV heads must divide one another")
+    check("layout.ep_divides_experts", experts % lay.ep == 0, f"EP={lay.ep} must divide {experts} experts")
+    check("layout.pp_le_layers", lay.pp <= layers, f"PP={lay.pp} must not exceed {layers} layers")
+    check("rollout.tp_divides_heads", heads % lay.rollout_tp == 0,
+          f"rollout TP={lay.rollout_tp} must divide {heads} attention heads")
+    check("rollout.tp_divides_gpus", n % lay.rollout_tp == 0, f"rollout TP={lay.rollout_tp} must divide {n} GPUs")
+
+    # LoRA (Megatron-Bridge trainer side, vLLM rollout side)
+    lora = select(cfg, "actor_rollout_ref.model.lora") or {}
+    rank = int(lora.get("rank", 0) or 0)
+    if rank > 0:
+        check("lora.mbridge", select(cfg, "actor_rollout_ref.actor.megatron.use_mbridge") is True
+              and select(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge") is False,
+              "Megatron LoRA needs actor.megatron.use_mbridge=True and vanilla_mbridge=False")
+        names = planner.lora_target_names(mcfg)
+        targets = list(lora.get("target_modules") or [])
+        unmatched = [t for t in targets if t not in names]
+        check("lora.targets_match_model", targets and not unmatched,
+              f"target_modules {targets} must each name a module of {mcfg['name']} "
+              f"({sorted(names)}); unmatched: {unmatched or 'none'}")
+        check("lora.targets_experts", "linear_fc1" in targets and "linear_fc2" in targets,
+              "expert LoRA needs linear_fc1 and linear_fc2 in target_modules")
+        try:
+            slot = planner.vllm_max_lora_rank(rank)
+            check("lora.vllm_max_lora_rank", True, f"rank {rank} -> vLLM max_lora_rank {slot}")
+        except planner.PlanError as err:
+            check("lora.vllm_max_lora_rank", False, str(err))
+        if not lora.get("merge", False):
+            check("lora.vllm_moe_lora_no_ep", lay.rollout_ep == 1,
+                  f"vLLM's fused-MoE LoRA has no expert parallel: rollout.expert_parallel_size must be 1, "
+                  f"got {lay.rollout_ep}")
+
+    # Router replay
+    mode = str(select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode"))
+    flag = bool(select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay"))
+    if mode == "R3" or flag:
+        check("r3.flags", mode == "R3" and flag,
+              f"R3 needs actor.megatron.router_replay.mode=R3 AND rollout.enable_rollout_routing_replay=True "
+              f"(got mode={mode}, flag={flag})")
+        ver, src = vllm_version_for_run()
+        check("r3.vllm_version", _v(ver) >= R3_MIN_VLLM,
+              f"R3 needs vLLM >= {'.'.join(map(str, R3_MIN_VLLM))} (vLLM {ver}, {src})")
+        check("r3.rollout_name", select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang"),
+              "R3 needs a vllm or sglang rollout")
+    if mode in ("R2", "R3"):
+        check("replay.no_pad_to_length", not select(cfg, "actor_rollout_ref.actor.megatron.pad_to_length"),
+              "verl raises on router replay with megatron.pad_to_length=True")
+        moe = planner.moe_layer_indices(mcfg)
+        if moe and moe[0] > 0:  # dense layers first: the Moonlight/DeepSeek mapping hazard
+            ok, detail = verl_maps_replay_by_layer_number()
+            freq = planner.megatron_moe_layer_freq(mcfg)
+            otc = select(cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") or {}
+            set_freq = otc.get("moe_layer_freq")
+            freq_ok = set_freq is None or list(set_freq) == freq
+            check("replay.dense_first_layer_mapping", ok and freq_ok,
+                  f"{mcfg['name']} has {moe[0]} dense layer(s) before the first MoE layer; replay rows must be "
+                  f"indexed by global layer number (MoE layers {moe[0]}..{moe[-1]}). {detail}"
+                  + ("" if freq_ok else f" override moe_layer_freq={list(set_freq)} != model's {freq}"))
+    if mode == "R2":
+        check("r2.no_rollout_flag", not flag, "R2 records in the trainer; rollout.enable_rollout_routing_replay "
+              "must stay False")
+
+    # rollout correction and loss
+    rc = select(cfg, "algorithm.rollout_correction") or {}
+    if rc.get("rollout_is") or rc.get("rollout_rs") or rc.get("bypass_mode"):
+        check("rollout_correction.logprobs", bool(select(cfg, "actor_rollout_ref.rollout.calculate_log_probs")),
+              "algorithm.rollout_correction needs actor_rollout_ref.rollout.calculate_log_probs=True")
+    loss_mode = str(select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode"))
+    if loss_mode.startswith("moerl_"):
+        found = importlib.util.find_spec("moerl.verl_ext.losses") is not None
+        check("loss.moerl_registered", found,
+              f"loss_mode={loss_mode} is registered by moerl.verl_ext.losses (imported through "
+              f"VERL_USE_EXTERNAL_MODULES); module {'found' if found else 'missing'}")
+    check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
+          f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
+    check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
+          "GRPO needs rollout.n > 1 samples per prompt")
+
+    # capacity
+    p = planner.plan(mcfg, lay)
+    check("memory.fits", not p.problems, "; ".join(p.problems) or
+          f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {lay.gpu_mem_gib:.0f} GiB")
+    return checks, p
+
+
+def verl_maps_replay_by_layer_number() -> tuple[bool, str]:
+    """Whether the installed verl indexes replay rows by each router's global ``layer_number``
+    (verl PR #5037 and later) rather than by position. Read from source: importing the module
+    needs Megatron-Core, which is not installed on CPU."""
+    spec = importlib.util.find_spec("verl")
+    path = Path(spec.origin).parent / "utils" / "megatron" / "router_replay_utils.py"
+    if not path.exists():
+        return False, f"{path} missing: this verl has no Megatron router replay"
+    src = path.read_text()
+    ok = "layer_number - 1" in src and "is_moe_layer" in src
+    return ok, ("installed verl's set_router_replay_data maps rows by router layer_number"
+                if ok else f"{path}: no layer_number mapping found; upgrade verl")
+
+
+def verl_validate(cfg) -> Check:
+    """verl's own ``validate_config`` (the one main_ppo runs first), on CPU.
+
+    Its last check imports ``verl.workers.rollout.vllm_rollout.utils`` (which imports vLLM) only to
+    call ``get_vllm_max_lora_rank``. Where vLLM is not installed (CPU CI) that module is replaced,
+    for this call only, by planner.vllm_max_lora_rank (same allowed ranks, same error on >512);
+    every other check is verl's, unchanged."""
+    import types
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    shim_name = "verl.workers.rollout.vllm_rollout.utils"
+    shim = None
+    if importlib.util.find_spec("vllm") is None and shim_name not in sys.modules:
+        shim = types.ModuleType(shim_name)
+        shim.get_vllm_max_lora_rank = planner.vllm_max_lora_rank
+        sys.modules[shim_name] = shim
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Disabled critic as adv_estimator != gae" is expected
+            validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    except (AssertionError, ValueError, TypeError, planner.PlanError) as err:
+        return Check("verl.validate_config", False, f"{type(err).__name__}: {err}")
+    finally:
+        if shim is not None:
+            sys.modules.pop(shim_name, None)
+    return Check("verl.validate_config", True,
+                 "passed" + (" (vLLM absent: max_lora_rank check by moerl.planner)" if shim else ""))
+
+
+def build_command(exp: Experiment, python: str = "python3") -> list[str]:
+    return [python, "-m", "verl.trainer.main_ppo", "--config-name", VERL_CONFIG_NAME, *exp.overrides]
+
+
+def format_command(cmd: list[str], env: dict[str, str]) -> str:
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    head = " ".join(shlex.quote(c) for c in cmd[:5])  # python -m verl.trainer.main_ppo --config-name X
+    body = " \\\n    ".join([head] + [shlex.quote(c) for c in cmd[5:]])
+    return (prefix + " \\\n  " if prefix else "") + body
+
+
+def prepare(directory: str | Path, arm: str | None = None):
+    """Compose + validate; raise ConstraintError listing every failed constraint."""
+    exp = load_experiment(directory, arm)
+    cfg = compose_experiment(exp)
+    checks, p = validate(cfg, exp)
+    checks.append(verl_validate(cfg))
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        lines = "\n".join(f"  [{c.name}] {c.detail}" for c in failed)
+        raise ConstraintError(f"{exp.name} ({exp.files[-1]}): {len(failed)} constraint(s) broke:\n{lines}")
+    return exp, cfg, checks, p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", help="experiment directory, e.g. experiments/02_kimi_k2_lora_grpo_r3")
+    ap.add_argument("--arm", help="arm name for experiments with an arms/ folder")
+    ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
+    ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
+    args = ap.parse_args(argv)
+    try:
+        exp, cfg, checks, p = prepare(args.experiment, args.arm)
+    except (ExperimentError, ConstraintError, planner.PlanError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for c in checks:
+        print(f"ok  [{c.name}] {c.detail}")
+    print(f"plan: trainer {p.trainer_gib:.1f} GiB/GPU, rollout {p.rollout_gib:.1f} GiB/GPU "
+          f"(python scripts/plan.py {exp.directory.name}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
+    env = env_for(cfg)
+    cmd = build_command(exp, args.python)
+    ray = os.environ.get("RAY_ADDRESS")
+    print(f"# ray: {'joins ' + ray if ray else 'verl starts a local Ray instance (single node)'}")
+    print(format_command(cmd, env))
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

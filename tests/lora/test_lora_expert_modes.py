@@ -25,8 +25,8 @@ def _model(tok, preset, mode, target_attention=True):
     return cfg, apply_lora(build_model(cfg.model, tok), cfg.lora, preset)
 
 
-@pytest.mark.parametrize("preset", ["qwen3_moe", "mixtral", "deepseek_v3"])
-@pytest.mark.parametrize("mode", ["shared", "shared_outer"])
+@pytest.mark.parametrize("preset,mode", [("qwen3_moe", "shared"), ("qwen3_moe", "shared_outer"),
+                                         ("mixtral", "shared"), ("deepseek_v3", "shared_outer")])
 def test_expert_modes_shapes_merge_and_router_hooks(tok, preset, mode):
     cfg, model = _model(tok, preset, mode)
     mods = expert_lora_modules(model)

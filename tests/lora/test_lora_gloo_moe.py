@@ -48,7 +48,7 @@ def _rank_main(rank: int, world: int, port: int, layout_kw: dict, path: str) -> 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["per_expert", "shared_outer"])
+@pytest.mark.parametrize("mode", ["shared_outer"])  # per-expert and shared factors both; per_expert in test_lora_sharding
 def test_gloo_ep2_and_tp2_match_unsharded_moe_layer(tmp_path, mode):
     from moerl.config import ExperimentConfig
     from moerl.data.tokenizer import build_tokenizer

@@ -1,0 +1,54 @@
+"""Regenerate every figure in results/figures/*.png from recorded runs (one command).
+
+    python scripts/make_figures.py [--runs results/runs] [--out results/figures] [--refit results/refit]
+
+Per experiment under --runs: training curves, held-out accuracy, clipping/IS, routing per layer,
+the per-arm summary (headline) and, where samples/*.npz were saved, importance-weight histograms,
+quantiles and the rollout-vs-trainer logprob scatter. Plus the refit cost figure when
+--refit holds scripts/bench_refit.py's JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moerl.plots import experiment_figures, refit_figure, save
+from moerl.results import MissingRunError, load_metrics, load_refit, load_summaries, load_token_samples
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="results/runs")
+    ap.add_argument("--out", default="results/figures")
+    ap.add_argument("--refit", default="results/refit", help="scripts/bench_refit.py output ('' to skip)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    try:
+        df = load_metrics(args.runs)
+    except MissingRunError as err:
+        sys.exit(f"make_figures: {err}")
+    runs = load_summaries(args.runs)
+    try:
+        samples = load_token_samples(args.runs)
+    except MissingRunError:
+        samples = None
+    paths = []
+    for experiment in sorted(df["experiment"].unique()):
+        paths += experiment_figures(df, experiment, out, runs=runs, samples=samples)
+    if args.refit:
+        try:
+            benches = load_refit(args.refit)
+        except MissingRunError as err:
+            print(f"make_figures: skipping the refit figure: {err}")
+            benches = {}
+        for name, bench in benches.items():
+            if "presets" in bench:
+                paths.append(save(refit_figure(bench, name), out / f"refit_{name}.png"))
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
+
+
+if __name__ == "__main__":
+    main()

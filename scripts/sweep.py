@@ -1,0 +1,261 @@
+"""Run every arm x seed of an experiment: several processes at a time on one machine, or as Ray tasks.
+
+    python scripts/sweep.py experiments/00_tiny_moe_cpu --seeds 3 [--arms a,b] [--jobs N] [--ray]
+                            [--output-dir results/runs] [key=value ...]
+
+Resumable: a run whose directory holds summary.json is skipped; one with a checkpoint is continued
+with ``run.py --resume``; anything else starts with ``run.py --fresh`` (a partial directory without a
+checkpoint is moved aside, never deleted). Each of the N concurrent runs gets
+``threads = max(1, cores // N)`` (torch threads and OMP/MKL env), so N runs share the machine
+instead of oversubscribing it. Every run writes a log to ``<output>/<experiment>/sweep_logs/``.
+The sweep's wall time and each run's time are appended to ``<output>/<experiment>/sweep.json``
+(one entry per invocation; scripts/write_results.py reports the total).
+
+With ``--ray`` the same runs are Ray tasks (``ray.init(address=$RAY_ADDRESS)``, a local Ray when
+unset), each asking for ``threads`` CPUs; on a cluster the repository and the output directory must
+be on a filesystem every node sees.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_SCRIPT = REPO / "scripts" / "run.py"
+
+
+@dataclass
+class Job:
+    arm: str
+    seed: int
+    config: str          # the arm YAML
+    run_dir: str         # <output>/<experiment>/<arm>/seed<k>
+    action: str          # skip | resume | fresh
+    log: str
+    command: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    arm: str
+    seed: int
+    action: str
+    rc: int | None       # None: skipped
+    seconds: float
+    log: str
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_job(cores: int, jobs: int) -> int:
+    return max(1, cores // max(1, jobs))
+
+
+def decide(run_dir: Path) -> str:
+    """skip (finished: summary.json), resume (a completed checkpoint), else fresh."""
+    if (run_dir / "summary.json").exists():
+        return "skip"
+    ckpt = run_dir / "checkpoints"
+    # The trainer writes a checkpoint to .step_N.tmp and renames it; state.json marks a complete one
+    # (same rule as moerl.trainer.checkpoint.checkpoint_dirs).
+    if ckpt.is_dir() and any((p / "state.json").exists() for p in ckpt.glob("step_*")):
+        return "resume"
+    return "fresh"
+
+
+def build_command(python: str, config: str, seed: int, action: str, threads: int,
+                  overrides: list[str], run_script: str | Path = RUN_SCRIPT) -> list[str]:
+    """run.py takes its options before the config (its positional overrides are greedy)."""
+    if action not in ("resume", "fresh"):
+        raise ValueError(f"build_command: action must be resume or fresh, got {action!r}")
+    return [python, str(run_script), "--seed", str(seed), "--no-progress", f"--{action}",
+            config, f"threads={threads}", *overrides]
+
+
+def job_env(threads: int, base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[key] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    return env
+
+
+def discover_arms(experiment_dir: Path, wanted: list[str] | None) -> dict[str, Path]:
+    arms_dir = experiment_dir / "arms"
+    if not arms_dir.is_dir():
+        raise SystemExit(f"{arms_dir}: no arms directory (expected {experiment_dir}/arms/<arm>.yaml)")
+    arms = {p.stem: p for p in sorted(arms_dir.glob("*.yaml"))}
+    if not arms:
+        raise SystemExit(f"{arms_dir}: no arm YAML files")
+    if wanted:
+        unknown = [a for a in wanted if a not in arms]
+        if unknown:
+            raise SystemExit(f"unknown arm(s) {unknown} in {arms_dir} (have: {sorted(arms)})")
+        arms = {a: arms[a] for a in wanted}
+    return arms
+
+
+def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrides: list[str],
+         threads: int, python: str = sys.executable, run_script: str | Path = RUN_SCRIPT) -> tuple[str, Path, list[Job]]:
+    """Resolve every arm x seed through the config loader (so a bad override fails before anything
+    runs) and decide what each run needs. Returns (experiment name, experiment output dir, jobs)."""
+    from moerl.config import ConfigError, load_config
+
+    jobs, experiment, out_dir = [], None, None
+    for arm, path in discover_arms(experiment_dir, arms).items():
+        for seed in seeds:
+            try:
+                cfg = load_config(str(path), [*overrides, f"seed={seed}"])
+            except ConfigError as err:
+                raise SystemExit(f"config error in {path} (seed {seed}): {err}") from None
+            if experiment is None:
+                experiment, out_dir = cfg.experiment, Path(cfg.tracking.output_dir) / cfg.experiment
+            elif cfg.experiment != experiment:
+                raise SystemExit(f"{path}: experiment is {cfg.experiment!r}, the other arms say {experiment!r}")
+            run_dir = out_dir / cfg.arm / f"seed{cfg.seed}"
+            action = decide(run_dir)
+            log = out_dir / "sweep_logs" / f"{cfg.arm}-seed{cfg.seed}.log"
+            cmd = [] if action == "skip" else build_command(python, str(path), seed, action, threads, overrides,
+                                                            run_script)
+            jobs.append(Job(cfg.arm, seed, str(path), str(run_dir), action, str(log), cmd))
+    return experiment, out_dir, jobs
+
+
+def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
+    """Run one job as a subprocess (in ``cwd``, default the current directory: relative paths in the
+    configs resolve as they do for the sweep), its stdout and stderr appended to the job's log."""
+    Path(job.log).parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(job.log, "a") as fh:
+        fh.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {job.action}: {' '.join(job.command)}\n")
+        fh.flush()
+        rc = subprocess.run(job.command, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd,
+                            env=job_env(threads)).returncode
+    return Result(job.arm, job.seed, job.action, rc, time.perf_counter() - start, job.log)
+
+
+def _report(done: int, total: int, r: Result) -> None:
+    status = "ok" if r.rc == 0 else f"FAILED (rc {r.rc}, see {r.log})"
+    print(f"[sweep {done}/{total}] {r.arm} seed{r.seed} ({r.action}): {status} in {r.seconds:.0f} s", flush=True)
+
+
+def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
+    results = []
+    with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+        futures = [pool.submit(execute, j, threads) for j in jobs]
+        for fut in as_completed(futures):
+            results.append(fut.result())
+            _report(len(results), len(jobs), results[-1])
+    return results
+
+
+def run_ray(jobs: list[Job], threads: int) -> list[Result]:
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(num_cpus=threads)(execute)
+    pending = {remote.remote(j, threads, os.getcwd()): j for j in jobs}
+    results = []
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        job = pending.pop(ready[0])
+        try:
+            results.append(ray.get(ready[0]))
+        except Exception as err:  # a task that died (node lost, worker killed): report, keep going
+            results.append(Result(job.arm, job.seed, job.action, -1, float("nan"), f"{job.log} (ray: {err})"))
+        _report(len(results), len(jobs), results[-1])
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = ["arm | seed | action | status | seconds", "--- | --- | --- | --- | ---"]
+    for r in sorted(results, key=lambda r: (r.arm, r.seed)):
+        status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else f"failed rc={r.rc}")
+        lines.append(f"{r.arm} | {r.seed} | {r.action} | {status} | {r.seconds:.0f}")
+    return "\n".join(lines)
+
+
+def record(out_dir: Path, entry: dict) -> Path:
+    """Append this invocation to sweep.json and keep the totals over all invocations."""
+    path = out_dir / "sweep.json"
+    data = json.loads(path.read_text()) if path.exists() else {"invocations": []}
+    data["invocations"].append(entry)
+    data["total_wall_seconds"] = sum(i["wall_seconds"] for i in data["invocations"] if i["ran"])
+    runs = data.setdefault("runs", {})
+    for r in entry["results"]:
+        if r["rc"] is None:
+            continue
+        slot = runs.setdefault(f"{r['arm']}/seed{r['seed']}", {"seconds": 0.0, "attempts": 0})
+        slot["seconds"] += r["seconds"] if r["seconds"] == r["seconds"] else 0.0
+        slot["attempts"] += 1
+        slot["rc"] = r["rc"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment_dir", help="e.g. experiments/00_tiny_moe_cpu (arms in <dir>/arms/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides passed to every run")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    ap.add_argument("--seed-list", default=None, help="explicit seeds, comma-separated (instead of --seeds)")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of arms (default: all)")
+    ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: cores // 1, at most the runs)")
+    ap.add_argument("--threads", type=int, default=None, help="threads per run (default max(1, cores // jobs))")
+    ap.add_argument("--output-dir", default=None, help="tracking.output_dir for every run (default: the config's)")
+    ap.add_argument("--ray", action="store_true", help="run as Ray tasks (RAY_ADDRESS, or a local Ray)")
+    ap.add_argument("--run-script", default=str(RUN_SCRIPT), help=argparse.SUPPRESS)  # tests: a stand-in run.py
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    args = ap.parse_intermixed_args(argv)
+
+    seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+    overrides = list(args.overrides) + ([f"tracking.output_dir={args.output_dir}"] if args.output_dir else [])
+    cores = usable_cores()
+    n_jobs = args.jobs or cores
+    threads = args.threads or threads_per_job(cores, n_jobs)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    experiment, out_dir, jobs = plan(Path(args.experiment_dir), seeds, arms, overrides, threads,
+                                     run_script=args.run_script)
+    todo = [j for j in jobs if j.action != "skip"]
+    print(f"[sweep] {experiment}: {len(jobs)} runs ({len(jobs) - len(todo)} finished, "
+          f"{sum(j.action == 'resume' for j in todo)} to resume, {sum(j.action == 'fresh' for j in todo)} to start); "
+          f"{'ray' if args.ray else f'{n_jobs} at a time'}, {threads} thread(s) each, {cores} cores", flush=True)
+    if args.dry_run:
+        for j in jobs:
+            print(f"{j.arm} seed{j.seed}: {j.action}" + (f"  $ {' '.join(j.command)}" if j.command else ""))
+        return 0
+
+    start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
+    ran = run_ray(todo, threads) if (args.ray and todo) else (run_local(todo, n_jobs, threads) if todo else [])
+    wall = time.perf_counter() - start
+    results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log) for j in jobs if j.action == "skip"]
+    from moerl.tracking import git_sha
+
+    path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(todo), "jobs": n_jobs,
+                            "threads_per_job": threads, "cores": cores, "ray": args.ray, "git_sha": git_sha(),
+                            "seeds": seeds, "overrides": overrides, "results": [asdict(r) for r in results]})
+    print(table(results))
+    failed = [r for r in results if r.rc not in (None, 0)]
+    print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed; recorded in {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Write results/RESULTS.md: one row per arm of an experiment, mean ± std over seeds.
+
+    python scripts/write_results.py results/runs/00_tiny_moe_cpu [--out results/RESULTS.md]
+                                    [--figures results/figures]
+
+Columns: final held-out accuracy (greedy and pass@1 at T=1), mean k3 KL between rollout and
+trainer, routing agreement, PPO clip fraction, masked token fraction, IS ratio p99, wall time per
+run. The header names the commit(s) that produced the runs (their git_sha.txt) and the total sweep
+wall time measured by scripts/sweep.py (sweep.json).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from moerl.results import MissingRunError, load_sweep, mean_std, run_table, seed_stats
+
+# (column in run_table, header, format, what it is)
+COLUMNS = [
+    ("final_eval/eval/greedy", "held-out acc. (greedy)", "{:.3f}", "accuracy on the held-out split after GRPO, greedy"),
+    ("final_eval/eval/pass1", "held-out pass@1 (T=1)", "{:.3f}", "the same, one sample at temperature 1"),
+    ("mean/mismatch/k3", "k3 KL", "{:.2e}",
+     "token-mean k3 estimate of KL(pi_rollout || pi_old), mean over steps"),
+    ("mean/routing/agreement", "routing agreement", "{:.4f}",
+     "share of tokens whose trainer-native top-k equals the rollout's (all MoE layers), mean over steps"),
+    ("mean/clip/frac", "PPO clip frac.", "{:.4f}", "tokens whose PPO ratio was clipped (low or high)"),
+    ("mean/mask/token_frac", "masked frac.", "{:.4f}", "tokens zeroed by MIS/IcePop (0 for other losses)"),
+    ("mean/is/truncated_frac", "TIS trunc. frac.", "{:.4f}", "tokens whose TIS weight was truncated"),
+    ("mean/is/p99", "IS ratio p99", "{:.3f}",
+     "p99 of the raw importance ratio pi_old/pi_rollout at the loss's level, per step, mean over steps"),
+    ("wall", "wall s/run", "{:.0f}",
+     "seconds per run: the process time measured by the sweep (else the sum of time/step)"),
+]
+
+
+def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
+    runs = runs.copy()
+    runs["wall"] = runs["wall/run_s"].where(runs["wall/run_s"].notna(), runs.get("wall/train_s"))
+    return seed_stats(runs, [c for c, *_ in COLUMNS])
+
+
+def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str | None) -> str:
+    experiment = exp_dir.name
+    stats = arm_table(runs)
+    shas = sorted({s for s in runs["git_sha"].dropna()}) if "git_sha" in runs else []
+    steps = sorted({int(s) for s in runs["steps"].dropna()}) if "steps" in runs else []
+    seeds = runs.groupby("arm")["seed"].nunique()
+    lines = [f"# Results: {experiment}", "",
+             f"Written by `python scripts/write_results.py {exp_dir}` on {time.strftime('%Y-%m-%d')}.", "",
+             f"- runs: {len(runs)} ({runs['arm'].nunique()} arms, {seeds.min()}-{seeds.max()} seeds per arm), "
+             f"GRPO steps per run: {', '.join(map(str, steps)) or 'n/a'}",
+             f"- produced by commit{'s' if len(shas) > 1 else ''}: " + (", ".join(f"`{s}`" for s in shas) or "unknown")
+             + (" (a `-dirty` suffix: the tree had uncommitted changes)" if any(s.endswith("-dirty") for s in shas)
+                else "")]
+    if sweep and sweep.get("invocations"):
+        inv = [i for i in sweep["invocations"] if i.get("ran")]
+        first = inv[0] if inv else sweep["invocations"][0]
+        lines.append(f"- total sweep wall time: {sweep.get('total_wall_seconds', 0) / 60:.1f} min "
+                     f"over {len(inv)} invocation(s) of scripts/sweep.py "
+                     f"({first.get('jobs')} runs at a time, {first.get('threads_per_job')} thread(s) each, "
+                     f"{first.get('cores')} cores{', Ray' if first.get('ray') else ''})")
+    else:
+        lines.append("- total sweep wall time: not recorded (runs were not made by scripts/sweep.py)")
+    if figures:
+        lines += ["", f"![per-arm summary]({figures}/{experiment}_summary.png)",
+                  "", f"![training curves]({figures}/{experiment}_training.png)"]
+    lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished).", ""]
+    header = ["arm", "seeds"] + [h for _, h, _, _ in COLUMNS]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for arm in stats.index:
+        cells = [arm, str(int(seeds.get(arm, 0)))]
+        for col, _, fmt, _ in COLUMNS:
+            if col in stats.columns.get_level_values(0):
+                m, s, n = stats.loc[arm, (col, "mean")], stats.loc[arm, (col, "std")], stats.loc[arm, (col, "n")]
+                cells.append(mean_std(m, s, int(n), fmt))
+            else:
+                cells.append("n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Columns:", ""] + [f"- **{h}**: {d}" for _, h, _, d in COLUMNS] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment_dir", help="e.g. results/runs/00_tiny_moe_cpu")
+    ap.add_argument("--out", default="results/RESULTS.md")
+    ap.add_argument("--figures", default="figures",
+                    help="figure directory as linked from --out (relative to it); '' for no images")
+    args = ap.parse_args(argv)
+    exp_dir = Path(args.experiment_dir)
+    try:
+        runs = run_table(exp_dir.parent, exp_dir.name)
+    except MissingRunError as err:
+        sys.exit(f"write_results: {err}")
+    text = render(exp_dir, runs, load_sweep(exp_dir), args.figures or None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

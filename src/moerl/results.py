@@ -1,0 +1,295 @@
+"""The one loader of recorded runs, shared by scripts and notebooks: tidy pandas frames keyed by
+experiment, arm and seed, read from run directories (metrics.jsonl, config.yaml, summary.json,
+samples/*.npz) or from wandb (offline run directories, or the API when online).
+
+A run directory is ``<root>/<experiment>/<arm>/seed<k>/``. A killed run's truncated last line is
+dropped with a warning naming the file; a run that is asked for but missing is reported by name.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+log = logging.getLogger(__name__)
+
+
+class MissingRunError(FileNotFoundError):
+    """A run that was asked for by name is not on disk."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    experiment: str
+    arm: str
+    seed: int
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: last line {i + 1} is truncated (killed run?); ignored", stacklevel=3)
+            else:
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+    return rows
+
+
+def results_root(env: str = "MOERL_RESULTS", default: str = "results/runs") -> Path:
+    """The runs root a notebook reads: ``$MOERL_RESULTS`` (tests point it at a fixture) or ``default``.
+    Relative paths are tried from the current directory and then from the repository root, so a
+    notebook runs the same from the repo root and from analysis/."""
+    path = Path(os.environ.get(env) or default)
+    if not path.is_absolute() and not path.exists():
+        repo = Path(__file__).resolve().parents[2]
+        if (repo / path).exists():
+            path = repo / path
+    if not path.exists():
+        raise MissingRunError(f"{path} does not exist (set ${env} to a results directory, default {default})")
+    return path
+
+
+def find_runs(root: str | Path) -> dict[RunKey, Path]:
+    """Every run directory (one holding metrics.jsonl) under ``root``."""
+    root = Path(root)
+    if not root.exists():
+        raise MissingRunError(f"{root} does not exist: no recorded runs there")
+    out = {}
+    for metrics in sorted(root.glob("**/seed*/metrics.jsonl")):
+        run = metrics.parent
+        if ".old-" in run.name:
+            continue
+        try:
+            seed = int(run.name.removeprefix("seed"))
+        except ValueError:
+            continue
+        out[RunKey(run.parent.parent.name, run.parent.name, seed)] = run
+    return out
+
+
+def _numeric(value):
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str] | None = None) -> pd.DataFrame:
+    """One row per logged step: columns experiment, arm, seed, step and every metric."""
+    runs = find_runs(root)
+    if experiment is not None:
+        runs = {k: v for k, v in runs.items() if k.experiment == experiment}
+    if arms is not None:
+        missing = [a for a in arms if not any(k.arm == a for k in runs)]
+        if missing:
+            raise MissingRunError(f"no recorded run for arm(s) {missing} under {Path(root)}"
+                                  f"{'/' + experiment if experiment else ''}")
+        runs = {k: v for k, v in runs.items() if k.arm in arms}
+    frames = []
+    for key, run in runs.items():
+        rows = _read_jsonl(run / "metrics.jsonl")
+        if not rows:
+            continue
+        df = pd.DataFrame([{k: _numeric(v) for k, v in r.items()} for r in rows])
+        df.insert(0, "seed", key.seed)
+        df.insert(0, "arm", key.arm)
+        df.insert(0, "experiment", key.experiment)
+        frames.append(df)
+    if not frames:
+        raise MissingRunError(f"no runs with metrics under {Path(root)}")
+    return pd.concat(frames, ignore_index=True, sort=False)
+
+
+def load_run(root: str | Path, experiment: str, arm: str, seed: int) -> pd.DataFrame:
+    """The metrics of one run, or MissingRunError naming the run directory that is not there."""
+    run = Path(root) / experiment / arm / f"seed{seed}"
+    if not (run / "metrics.jsonl").exists():
+        have = sorted(f"{k.arm}/seed{k.seed}" for k in find_runs(root) if k.experiment == experiment) \
+            if Path(root).exists() else []
+        raise MissingRunError(f"run {experiment}/{arm}/seed{seed} not found: no {run / 'metrics.jsonl'}"
+                              f" (recorded runs of {experiment}: {have or 'none'})")
+    rows = _read_jsonl(run / "metrics.jsonl")
+    df = pd.DataFrame([{k: _numeric(v) for k, v in r.items()} for r in rows])
+    df.insert(0, "seed", seed)
+    df.insert(0, "arm", arm)
+    df.insert(0, "experiment", experiment)
+    return df
+
+
+def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFrame:
+    """One row per finished run (summary.json flattened), plus its resolved config's key knobs."""
+    rows = []
+    for key, run in find_runs(root).items():
+        if experiment is not None and key.experiment != experiment:
+            continue
+        path = run / "summary.json"
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text())
+        flat = {"experiment": key.experiment, "arm": key.arm, "seed": key.seed}
+        for k, v in summary.items():
+            if isinstance(v, dict):
+                flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+            else:
+                flat[k] = v
+        cfg_path = run / "config.yaml"
+        if cfg_path.exists():
+            cfg = yaml.safe_load(cfg_path.read_text())
+            try:
+                flat.update({"cfg/preset": cfg["model"]["preset"], "cfg/rollout_dtype": cfg["rollout"]["dtype"],
+                             "cfg/loss": cfg["loss"]["variant"], "cfg/replay": cfg["replay"]["mode"],
+                             "cfg/expert_mode": cfg["lora"]["expert_mode"], "cfg/refit": cfg["refit"]["mode"],
+                             "cfg/steps": cfg["trainer"]["steps"]})
+            except (KeyError, TypeError) as err:
+                raise ValueError(f"{cfg_path}: expected a resolved experiment config, missing key {err}") from None
+        sha = run / "git_sha.txt"
+        flat["git_sha"] = sha.read_text().strip() if sha.exists() else None
+        rows.append(flat)
+    return pd.DataFrame(rows)
+
+
+def load_token_samples(root: str | Path, experiment: str | None = None, arms: list[str] | None = None) -> pd.DataFrame:
+    """Per-token samples (rollout vs trainer logprob, IS weight, flags) saved every N steps."""
+    frames = []
+    for key, run in find_runs(root).items():
+        if (experiment is not None and key.experiment != experiment) or (arms is not None and key.arm not in arms):
+            continue
+        for path in sorted((run / "samples").glob("step_*.npz")):
+            with np.load(path) as data:
+                df = pd.DataFrame({k: data[k] for k in data.files})
+            df.insert(0, "step", int(path.stem.split("_")[1]))
+            df.insert(0, "seed", key.seed)
+            df.insert(0, "arm", key.arm)
+            df.insert(0, "experiment", key.experiment)
+            frames.append(df)
+    if not frames:
+        raise MissingRunError(f"no per-token samples under {Path(root)}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_wandb_offline(wandb_dir: str | Path) -> pd.DataFrame:
+    """Metrics from offline wandb run directories (``wandb/offline-run-*/run-*.wandb``)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    frames = []
+    for path in sorted(Path(wandb_dir).glob("**/offline-run-*/run-*.wandb")):
+        ds = datastore.DataStore()
+        ds.open_for_scan(str(path))
+        rows = []
+        while True:
+            data = ds.scan_data()
+            if data is None:
+                break
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            if rec.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+                rows.append(row)
+        if rows:
+            df = pd.DataFrame(rows)
+            df.insert(0, "wandb_run", path.parent.name)
+            frames.append(df)
+    if not frames:
+        raise MissingRunError(f"no offline wandb runs under {Path(wandb_dir)}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_wandb_api(path: str, keys: list[str] | None = None) -> pd.DataFrame:
+    """Metrics of runs from the wandb API (needs network and a login): ``path`` = entity/project."""
+    import wandb
+
+    frames = []
+    for run in wandb.Api().runs(path):
+        df = run.history(keys=keys, pandas=True)
+        cfg = run.config
+        df.insert(0, "seed", cfg.get("seed"))
+        df.insert(0, "arm", cfg.get("arm"))
+        df.insert(0, "experiment", cfg.get("experiment"))
+        frames.append(df)
+    if not frames:
+        raise MissingRunError(f"no wandb runs at {path}")
+    return pd.concat(frames, ignore_index=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-run and per-arm tables (RESULTS.md, compare_runs.py, notebooks)
+# ----------------------------------------------------------------------------------------------
+def load_sweep(experiment_dir: str | Path) -> dict | None:
+    """``sweep.json`` written by scripts/sweep.py (invocations, total wall time, per-run seconds)."""
+    path = Path(experiment_dir) / "sweep.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def run_table(root: str | Path, experiment: str) -> pd.DataFrame:
+    """One row per finished run: its summary and config knobs, plus ``wall/train_s`` (sum of the
+    logged ``time/step``) and ``wall/run_s`` (the process time scripts/sweep.py measured, all
+    attempts of the run, when the run went through the sweep)."""
+    summ = load_summaries(root, experiment)
+    if summ.empty:
+        raise MissingRunError(f"no finished runs (summary.json) of {experiment} under {Path(root)}")
+    metrics = load_metrics(root, experiment)
+    train = metrics[metrics["reward/mean"].notna()] if "reward/mean" in metrics else metrics.iloc[:0]
+    if "time/step" in train:
+        wall = train.groupby(["arm", "seed"])["time/step"].sum().rename("wall/train_s").reset_index()
+        summ = summ.merge(wall, on=["arm", "seed"], how="left")
+    sweep = load_sweep(Path(root) / experiment) or {}
+    per_run = sweep.get("runs", {})
+    summ["wall/run_s"] = [per_run.get(f"{a}/seed{s}", {}).get("seconds", np.nan)
+                          for a, s in zip(summ["arm"], summ["seed"])]
+    return summ.sort_values(["arm", "seed"]).reset_index(drop=True)
+
+
+def seed_stats(df: pd.DataFrame, columns: list[str], by: str = "arm") -> pd.DataFrame:
+    """Mean, std (ddof 1; NaN for one seed) and the number of seeds of each column, per ``by``.
+    Columns become a MultiIndex (column, mean|std|n)."""
+    present = [c for c in columns if c in df.columns]
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        log.info("seed_stats: columns not recorded: %s", missing)
+    numeric = df[[by, *present]].copy()
+    for c in present:
+        numeric[c] = pd.to_numeric(numeric[c], errors="coerce")
+    return numeric.groupby(by).agg(["mean", "std", "count"]).rename(columns={"count": "n"}, level=1)
+
+
+def mean_std(mean: float, std: float, n: int, fmt: str = "{:.3f}") -> str:
+    """'m ± s' over seeds; 'm' alone for one seed; 'n/a' when nothing was recorded."""
+    if n == 0 or mean != mean:
+        return "n/a"
+    if n == 1 or std != std:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} ± {fmt.format(std)}"
+
+
+def load_refit(root: str | Path = "results/refit") -> dict[str, dict]:
+    """Every JSON the refit benchmark (scripts/bench_refit.py) wrote under ``root``, by file stem."""
+    root = Path(root)
+    files = sorted(root.glob("*.json")) if root.is_dir() else []
+    if not files:
+        raise MissingRunError(f"no refit benchmark results: expected {root}/*.json "
+                              f"(run `python scripts/bench_refit.py` to produce them)")
+    out = {}
+    for path in files:
+        try:
+            out[path.stem] = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+    return out

@@ -1,0 +1,66 @@
+"""Every analysis notebook runs top to bottom (nbclient) on the committed fixture runs.
+
+The kernel is this interpreter's ipykernel, registered under a private kernelspec in a temporary
+JUPYTER_PATH, so the test uses the venv's python whatever other kernels the machine has."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
+FIXTURE_RUNS = REPO / "tests" / "fixtures" / "runs"
+FIXTURE_REFIT = REPO / "tests" / "fixtures" / "refit"
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / "moerl-venv"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "moerl venv", "language": "python"}))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JUPYTER_PATH", str(root))
+    yield "moerl-venv"
+    mp.undo()
+
+
+def test_notebooks_exist_and_are_stripped():
+    assert len(NOTEBOOKS) >= 5, NOTEBOOKS
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "), f"{path}: no title"
+        assert nb.cells[0].source.splitlines()[0].rstrip().endswith("?"), f"{path}: title is not a question"
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path}: outputs not stripped"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_on_fixture(path, kernel_name, monkeypatch):
+    monkeypatch.setenv("MOERL_RESULTS", str(FIXTURE_RUNS))
+    monkeypatch.setenv("MOERL_REFIT", str(FIXTURE_REFIT))
+    monkeypatch.setenv("MOERL_SMOOTH", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name=kernel_name, resources={"metadata": {"path": str(REPO)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    # Each notebook draws at least one figure (inline PNG), so the kernel kept its inline backend.
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure was displayed"
+
+
+def test_refit_notebook_says_what_is_missing(kernel_name, monkeypatch, tmp_path):
+    from nbclient.exceptions import CellExecutionError
+
+    monkeypatch.setenv("MOERL_REFIT", str(tmp_path))  # exists, holds no JSON
+    nb = nbformat.read(REPO / "analysis" / "05_refit_cost.ipynb", as_version=4)
+    with pytest.raises(CellExecutionError, match="scripts/bench_refit.py"):
+        NotebookClient(nb, timeout=120, kernel_name=kernel_name, resources={"metadata": {"path": str(REPO)}}).execute()

@@ -166,7 +166,13 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
 def run_ray(jobs: list[Job], threads: int) -> list[Result]:
     import ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    address = os.environ.get("RAY_ADDRESS")
+    # Without RAY_ADDRESS: a local Ray of this machine's usable cores (no dashboard to serve).
+    local = {} if address else {"num_cpus": usable_cores(), "include_dashboard": False}
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, **local)
+    module = sys.modules[execute.__module__]
+    if module.__name__ != "__main__":  # imported from a file path (tests): workers cannot import it by name
+        ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_cpus=threads)(execute)
     pending = {remote.remote(j, threads, os.getcwd()): j for j in jobs}
     results = []
@@ -178,6 +184,8 @@ def run_ray(jobs: list[Job], threads: int) -> list[Result]:
         except Exception as err:  # a task that died (node lost, worker killed): report, keep going
             results.append(Result(job.arm, job.seed, job.action, -1, float("nan"), f"{job.log} (ray: {err})"))
         _report(len(results), len(jobs), results[-1])
+    if not address:
+        ray.shutdown()
     return results
 
 

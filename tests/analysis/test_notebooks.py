@@ -55,12 +55,3 @@ def test_notebook_runs_on_fixture(path, kernel_name, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     # Each notebook draws at least one figure (inline PNG), so the kernel kept its inline backend.
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure was displayed"
-
-
-def test_refit_notebook_says_what_is_missing(kernel_name, monkeypatch, tmp_path):
-    from nbclient.exceptions import CellExecutionError
-
-    monkeypatch.setenv("MOERL_REFIT", str(tmp_path))  # exists, holds no JSON
-    nb = nbformat.read(REPO / "analysis" / "05_refit_cost.ipynb", as_version=4)
-    with pytest.raises(CellExecutionError, match="scripts/bench_refit.py"):
-        NotebookClient(nb, timeout=120, kernel_name=kernel_name, resources={"metadata": {"path": str(REPO)}}).execute()

@@ -1,0 +1,150 @@
+"""The shared loader and the scripts over it: killed runs, missing runs, tables, figures."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from moerl.results import (MissingRunError, load_metrics, load_refit, load_run, load_summaries, load_token_samples,
+                           mean_std, results_root, run_table, seed_stats)
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "runs"
+EXP = "00_tiny_moe_cpu"
+
+
+@pytest.fixture
+def runs(tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
+                          cwd=REPO)
+
+
+def test_load_metrics_is_tidy():
+    df = load_metrics(FIXTURE, EXP)
+    assert set(df["arm"]) == {"baseline", "r3", "deepseek_r3"} and set(df["seed"]) == {0, 1}
+    assert {"experiment", "arm", "seed", "step", "mismatch/k3"} <= set(df.columns)
+    train = df[df["reward/mean"].notna()]
+    assert train.groupby(["arm", "seed"])["step"].max().eq(6).all()
+    # deepseek_v3 starts with a dense layer: its MoE layers are 1..3, no layer0 column values
+    ds = train[train["arm"] == "deepseek_r3"]
+    assert ds["routing/agreement/layer0"].isna().all() and ds["routing/agreement/layer1"].notna().all()
+
+
+def test_truncated_last_line_loads_with_a_warning_naming_the_file(runs):
+    path = runs / EXP / "baseline" / "seed0" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])  # a killed run's half line
+    with pytest.warns(UserWarning, match=str(path).replace("\\", "\\\\") + ".*truncated"):
+        df = load_metrics(runs, EXP)
+    assert len(df[(df["arm"] == "baseline") & (df["seed"] == 0)]) == len(lines)
+
+
+def test_corrupt_middle_line_is_an_error_naming_file_and_line(runs):
+    path = runs / EXP / "r3" / "seed1" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:10]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"{path}: line 3 is not valid JSON"):
+        load_metrics(runs, EXP)
+
+
+def test_missing_runs_are_reported_by_name(tmp_path):
+    with pytest.raises(MissingRunError, match=r"run 00_tiny_moe_cpu/tis/seed2 not found.*baseline/seed0"):
+        load_run(FIXTURE, EXP, "tis", 2)
+    with pytest.raises(MissingRunError, match=r"arm\(s\) \['tis'\]"):
+        load_metrics(FIXTURE, EXP, arms=["baseline", "tis"])
+    with pytest.raises(MissingRunError, match="does not exist"):
+        load_metrics(tmp_path / "nowhere")
+    with pytest.raises(MissingRunError, match="no per-token samples"):
+        load_token_samples(FIXTURE, EXP, arms=["tis"])
+    assert load_run(FIXTURE, EXP, "r3", 1)["step"].max() == 6
+
+
+def test_missing_run_in_scripts_is_a_message_not_a_traceback(tmp_path):
+    for proc in (_script("compare_runs.py", str(FIXTURE / EXP), "baseline", "tis"),
+                 _script("write_results.py", str(tmp_path / EXP), "--out", str(tmp_path / "R.md")),
+                 _script("make_figures.py", "--runs", str(tmp_path / "none"), "--out", str(tmp_path))):
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr, proc.stderr
+    assert "['tis']" in _script("compare_runs.py", str(FIXTURE / EXP), "tis").stderr
+
+
+def test_results_root_reads_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOERL_RESULTS", str(FIXTURE))
+    assert results_root() == FIXTURE
+    monkeypatch.setenv("MOERL_RESULTS", str(tmp_path / "missing"))
+    with pytest.raises(MissingRunError, match=r"missing does not exist \(set \$MOERL_RESULTS"):
+        results_root()
+
+
+def test_summaries_samples_and_run_table():
+    summ = load_summaries(FIXTURE, EXP)
+    assert len(summ) == 6
+    knobs = summ.groupby("arm")[["cfg/preset", "cfg/replay"]].first()
+    assert knobs.loc["deepseek_r3"].tolist() == ["deepseek_v3", "R3"]
+    assert knobs.loc["baseline"].tolist() == ["qwen3_moe", "none"]
+    samples = load_token_samples(FIXTURE, EXP)
+    assert {"rollout_logp", "trainer_logp", "raw_ratio", "is_weight", "truncated", "masked", "step"} <= set(samples)
+    assert sorted(samples["step"].unique()) == [2, 4, 6]
+    table = run_table(FIXTURE, EXP)
+    assert table["wall/run_s"].gt(0).all() and table["wall/train_s"].gt(0).all()
+    assert table["git_sha"].str.len().ge(40).all()
+
+
+def test_seed_stats_and_mean_std():
+    df = pd.DataFrame({"arm": ["a", "a", "b"], "x": [1.0, 3.0, 5.0]})
+    stats = seed_stats(df, ["x", "not_recorded"])
+    assert stats.loc["a", ("x", "mean")] == 2.0 and stats.loc["a", ("x", "std")] == pytest.approx(2 ** 0.5)
+    assert mean_std(2.0, 2 ** 0.5, 2, "{:.2f}") == "2.00 ± 1.41"
+    assert mean_std(5.0, float("nan"), 1, "{:.2f}") == "5.00"
+    assert mean_std(float("nan"), float("nan"), 0) == "n/a"
+
+
+def test_load_refit(tmp_path):
+    assert "presets" in load_refit(REPO / "tests" / "fixtures" / "refit")["bench_refit"]
+    with pytest.raises(MissingRunError, match=r"scripts/bench_refit.py"):
+        load_refit(tmp_path)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        load_refit(tmp_path)
+
+
+def test_write_results_table(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    proc = _script("write_results.py", str(FIXTURE / EXP), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    sha = (FIXTURE / EXP / "r3" / "seed0" / "git_sha.txt").read_text().strip()
+    assert sha in text and "total sweep wall time: 2.3 min" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"arm", "baseline", "r3", "deepseek_r3"}
+    # k3 of r3 (mean over steps, then over seeds) as computed independently from metrics.jsonl
+    k3 = []
+    for seed in (0, 1):
+        rows_ = [json.loads(x) for x in (FIXTURE / EXP / "r3" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+        vals = [r["mismatch/k3"] for r in rows_ if "mismatch/k3" in r]
+        k3.append(sum(vals) / len(vals))
+    assert f"{sum(k3) / 2:.2e}" in rows["r3"]
+    assert " ± " in rows["r3"]
+
+
+def test_make_figures_writes_every_figure(tmp_path):
+    from moerl.plots import experiment_figures
+
+    df, runs_, samples = load_metrics(FIXTURE), load_summaries(FIXTURE), load_token_samples(FIXTURE)
+    paths = experiment_figures(df, EXP, tmp_path, runs=runs_, samples=samples)
+    names = {p.name for p in paths}
+    assert {f"{EXP}_{k}.png" for k in ("training", "accuracy", "mitigations", "routing_layers", "summary",
+                                          "is_hist", "is_quantiles", "logprob_scatter")} <= names
+    assert all(p.stat().st_size > 5000 for p in paths)

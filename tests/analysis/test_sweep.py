@@ -1,0 +1,178 @@
+"""scripts/sweep.py: skip/resume/fresh decisions, command construction, the local runner with a
+stand-in run.py (no training), and one real tiny run through the sweep."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXP_DIR = REPO / "experiments" / "00_tiny_moe_cpu"
+
+spec = importlib.util.spec_from_file_location("moerl_sweep_script", REPO / "scripts" / "sweep.py")
+sweep = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = sweep  # dataclasses look their module up there
+spec.loader.exec_module(sweep)
+
+# A stand-in for scripts/run.py: resolves the run directory exactly as run.py does, records its
+# argv and thread env there, and writes summary.json (or fails for the arm named in $FAKE_FAIL_ARM).
+FAKE_RUN = '''
+import json, os, sys
+from pathlib import Path
+from moerl.config import load_config
+args = sys.argv[1:]
+seed = int(args[args.index("--seed") + 1])
+action = "--resume" if "--resume" in args else "--fresh"
+pos = [a for a in args if not a.startswith("--") and a != str(seed)]
+cfg = load_config(pos[0], pos[1:] + [f"seed={seed}"])
+run = Path(cfg.tracking.output_dir) / cfg.experiment / cfg.arm / f"seed{cfg.seed}"
+run.mkdir(parents=True, exist_ok=True)
+with open(run / "calls.jsonl", "a") as fh:
+    fh.write(json.dumps({"argv": args, "omp": os.environ["OMP_NUM_THREADS"], "threads": cfg.threads,
+                         "action": action}) + "\\n")
+print("fake run of", run)
+if os.environ.get("FAKE_FAIL_ARM") == cfg.arm:
+    sys.exit(3)
+(run / "summary.json").write_text("{}")
+'''
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    path = tmp_path / "fake_run.py"
+    path.write_text(FAKE_RUN)
+    return path
+
+
+def _ckpt(run: Path, step: int, complete: bool = True) -> None:
+    d = run / "checkpoints" / (f"step_{step}" if complete else f".step_{step}.tmp")
+    d.mkdir(parents=True)
+    if complete:
+        (d / "state.json").write_text("{}")
+
+
+def test_decide(tmp_path):
+    run = tmp_path / "seed0"
+    assert sweep.decide(run) == "fresh"                  # nothing there
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert sweep.decide(run) == "fresh"                  # killed before its first checkpoint
+    _ckpt(run, 10, complete=False)
+    assert sweep.decide(run) == "fresh"                  # a half-written checkpoint is not one
+    _ckpt(run, 10)
+    assert sweep.decide(run) == "resume"
+    (run / "summary.json").write_text("{}")
+    assert sweep.decide(run) == "skip"
+
+
+def test_build_command_and_threads():
+    cmd = sweep.build_command("py", "exp/arms/r3.yaml", 2, "resume", 1, ["trainer.steps=4"], "run.py")
+    # options before the config: run.py's positional overrides are greedy
+    assert cmd == ["py", "run.py", "--seed", "2", "--no-progress", "--resume", "exp/arms/r3.yaml", "threads=1",
+                   "trainer.steps=4"]
+    assert sweep.build_command("py", "c.yaml", 0, "fresh", 2, [], "run.py")[5] == "--fresh"
+    with pytest.raises(ValueError, match="resume or fresh"):
+        sweep.build_command("py", "c.yaml", 0, "skip", 1, [])
+    assert [sweep.threads_per_job(2, j) for j in (1, 2, 3)] == [2, 1, 1]
+    assert sweep.threads_per_job(16, 3) == 5
+    env = sweep.job_env(3, {"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+
+
+def test_plan_decides_per_run_and_validates(tmp_path):
+    out = tmp_path / "runs"
+    finished = out / "00_tiny_moe_cpu" / "baseline" / "seed0"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    _ckpt(out / "00_tiny_moe_cpu" / "baseline" / "seed1", 10)
+    exp, exp_out, jobs = sweep.plan(EXP_DIR, [0, 1, 2], ["baseline", "r3"], [f"tracking.output_dir={out}"], 1)
+    assert exp == "00_tiny_moe_cpu" and exp_out == out / "00_tiny_moe_cpu"
+    actions = {(j.arm, j.seed): j.action for j in jobs}
+    assert actions == {("baseline", 0): "skip", ("baseline", 1): "resume", ("baseline", 2): "fresh",
+                       ("r3", 0): "fresh", ("r3", 1): "fresh", ("r3", 2): "fresh"}
+    skip = next(j for j in jobs if j.action == "skip")
+    assert skip.command == []
+    resume = next(j for j in jobs if j.action == "resume")
+    assert "--resume" in resume.command and resume.command[-1] == f"tracking.output_dir={out}"
+    assert resume.log == str(exp_out / "sweep_logs" / "baseline-seed1.log")
+    # all arms by default
+    _, _, every = sweep.plan(EXP_DIR, [0], None, [f"tracking.output_dir={out}"], 1)
+    assert {j.arm for j in every} == {p.stem for p in (EXP_DIR / "arms").glob("*.yaml")}
+    with pytest.raises(SystemExit, match=r"unknown arm\(s\) \['nope'\].*baseline"):
+        sweep.plan(EXP_DIR, [0], ["nope"], [], 1)
+    with pytest.raises(SystemExit, match="config error.*trainer.stepz"):
+        sweep.plan(EXP_DIR, [0], ["r3"], ["trainer.stepz=3"], 1)
+
+
+def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, monkeypatch, capsys):
+    out = tmp_path / "runs"
+    exp_out = out / "00_tiny_moe_cpu"
+    _ckpt(exp_out / "r3" / "seed1", 5)  # an interrupted run
+    monkeypatch.setenv("FAKE_FAIL_ARM", "tis")
+    argv = [str(EXP_DIR), "--seeds", "2", "--arms", "baseline,r3,tis", "--jobs", "2", "--output-dir", str(out),
+            "--run-script", str(fake_run), "trainer.steps=3"]
+    assert sweep.main(argv) == 1  # tis fails
+    text = capsys.readouterr().out
+    assert "FAILED (rc 3" in text and "tis-seed0.log" in text and "arm | seed | action | status | seconds" in text
+    calls = {(a, s): [json.loads(x) for x in (exp_out / a / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
+             for a in ("baseline", "r3", "tis") for s in (0, 1)}
+    assert calls[("r3", 1)][0]["action"] == "--resume" and calls[("r3", 0)][0]["action"] == "--fresh"
+    cores = sweep.usable_cores()
+    for c in calls.values():  # each of 2 concurrent runs gets cores // 2 threads, in env and config
+        assert c[0]["omp"] == str(sweep.threads_per_job(cores, 2)) == str(c[0]["threads"])
+        assert "trainer.steps=3" in c[0]["argv"]
+    assert "fake run of" in (exp_out / "sweep_logs" / "baseline-seed0.log").read_text()
+    first = json.loads((exp_out / "sweep.json").read_text())
+    assert first["runs"]["tis/seed0"]["rc"] == 3 and first["runs"]["baseline/seed1"]["rc"] == 0
+
+    # second invocation: finished runs are skipped, only the failed arm runs again
+    monkeypatch.delenv("FAKE_FAIL_ARM")
+    assert sweep.main(argv) == 0
+    assert len(calls[("baseline", 0)]) == 1
+    assert len((exp_out / "baseline" / "seed0" / "calls.jsonl").read_text().splitlines()) == 1
+    assert len((exp_out / "tis" / "seed0" / "calls.jsonl").read_text().splitlines()) == 2
+    data = json.loads((exp_out / "sweep.json").read_text())
+    assert len(data["invocations"]) == 2 and data["runs"]["tis/seed0"] == {
+        "seconds": pytest.approx(data["runs"]["tis/seed0"]["seconds"]), "attempts": 2, "rc": 0}
+    assert data["total_wall_seconds"] == pytest.approx(sum(i["wall_seconds"] for i in data["invocations"]))
+
+    # third: nothing to do; recorded but not counted as sweep time
+    assert sweep.main(argv) == 0
+    data3 = json.loads((exp_out / "sweep.json").read_text())
+    assert not data3["invocations"][-1]["ran"] and data3["total_wall_seconds"] == data["total_wall_seconds"]
+
+
+def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
+    """--ray on a local Ray (RAY_ADDRESS unset): the same jobs as Ray tasks, recorded the same way."""
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "runs"
+    argv = [str(EXP_DIR), "--seeds", "1", "--arms", "baseline,r3", "--ray", "--output-dir", str(out),
+            "--run-script", str(fake_run)]
+    assert sweep.main(argv) == 0
+    data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
+    assert data["invocations"][0]["ray"] and set(data["runs"]) == {"baseline/seed0", "r3/seed0"}
+    assert all((out / "00_tiny_moe_cpu" / a / "seed0" / "summary.json").exists() for a in ("baseline", "r3"))
+
+
+def test_one_real_tiny_run_through_the_sweep(tmp_path, capsys):
+    """scripts/run.py for real: 1 GRPO step of a random-init policy, 2 prompts x 2 samples."""
+    out = tmp_path / "runs"
+    argv = [str(EXP_DIR), "--seed-list", "0", "--arms", "r3", "--jobs", "1", "--threads", "1",
+            "--output-dir", str(out), "warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "trainer.steps=1", "trainer.mini_batches=1", "trainer.eval_size=4", "trainer.eval_every=0",
+            "trainer.samples_every=1", "trainer.samples_per_save=8", "tracking.wandb_mode=disabled",
+            "data.train_size=64", "data.test_size=4"]
+    rc = sweep.main(argv)
+    run = out / "00_tiny_moe_cpu" / "r3" / "seed0"
+    log = (out / "00_tiny_moe_cpu" / "sweep_logs" / "r3-seed0.log").read_text()
+    assert rc == 0, log[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 1 and (run / "samples" / "step_00001.npz").exists()
+    from moerl.results import load_run
+
+    assert load_run(out, "00_tiny_moe_cpu", "r3", 0)["routing/agreement"].notna().any()
+    assert sweep.main(argv) == 0 and "skipped (finished)" in capsys.readouterr().out

@@ -67,7 +67,7 @@ class WarmStartConfig:
     """Supervised pre-training so GRPO starts from a policy with non-trivial accuracy."""
 
     enabled: bool = True
-    steps: int = 1200
+    steps: int = 200
     batch_size: int = 256
     lr: float = 2e-3
     # Directory searched for a cached checkpoint (keyed by a hash of model config, task and seed).
@@ -148,8 +148,12 @@ class ReplayConfig:
 
 @dataclass
 class RefitConfig:
+    # adapter: only LoRA tensors travel (engine keeps its base resident); merged: full merged weights.
     mode: Literal["adapter", "merged"] = "adapter"
     bucket_mb: float = 4.0
+    # inprocess: the engine is a separate copy in this process; process: its own process, fed through
+    # shared-memory buckets, as vLLM is fed by verl.
+    engine: Literal["inprocess", "process"] = "inprocess"
 
 
 @dataclass
@@ -207,7 +211,15 @@ class ExperimentConfig:
 # Loading and validation
 
 
+# Names users carry over from other frameworks, mapped to ours (difflib cannot guess these).
+ALIASES = {"learning_rate": "lr", "num_steps": "steps", "total_steps": "steps", "max_steps": "steps",
+           "n_samples": "group_size", "num_generations": "group_size", "clip_ratio_low": "eps_low",
+           "clip_ratio_high": "eps_high", "num_experts_per_tok": "top_k", "n_routed_experts": "num_experts"}
+
+
 def _closest(key: str, options: list[str]) -> str:
+    if ALIASES.get(key) in options:
+        return f" (did you mean '{ALIASES[key]}'?)"
     match = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else f" (valid keys: {', '.join(sorted(options))})"
 
@@ -235,6 +247,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 from moerl.config import ExperimentConfig, save_config, to_dict
@@ -77,9 +78,11 @@ class Tracker:
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.exists():
             return
+        text = self.metrics_path.read_text()
         rows = read_metrics(self.metrics_path)
         keep = [r for r in rows if r.get("step", -1) <= step]
-        if len(keep) != len(rows) or self.metrics_path.read_text().count("\n") != len(rows):
+        # Rewrite when rows follow the checkpoint or the crash left a half-written last line.
+        if len(keep) != len(rows) or (text and not text.endswith("\n")):
             self.metrics_path.replace(self.metrics_path.with_suffix(".jsonl.bak"))
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
 
@@ -89,7 +92,8 @@ class Tracker:
         import wandb
 
         id_file = self.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        # A stable id kept in the run directory: a resumed run continues the same wandb run.
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         atomic_write_text(id_file, run_id + "\n")
         os.environ.setdefault("WANDB_SILENT", "true")
         return wandb.init(project=cfg.tracking.wandb_project, entity=cfg.tracking.wandb_entity,

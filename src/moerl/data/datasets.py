@@ -50,9 +50,13 @@ def math_answer(text: str) -> str | None:
 
 
 def _first(row: dict, keys: tuple[str, ...]):
+    extra = row.get("extra_info")
+    if isinstance(extra, dict):  # our own verl parquet keeps the raw question/answer here
+        row = {**row, **{k: v for k, v in extra.items() if k in keys}}
     for key in keys:
         value = row.get(key)
-        if isinstance(value, list) and value and isinstance(value[0], dict):  # chat-format prompt
+        if not isinstance(value, (str, dict)) and hasattr(value, "__len__") and len(value) \
+                and isinstance(value[-1], dict):  # chat-format prompt (list, or array from parquet)
             value = value[-1].get("content")
         if isinstance(value, dict):  # verl reward_model column
             value = value.get("ground_truth")

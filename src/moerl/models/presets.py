@@ -34,6 +34,8 @@ def build_hf_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
                            intermediate_size=cfg.moe_intermediate_size)
     elif cfg.preset == "deepseek_v3":
         # MLA attention, as in DeepSeek-V3/Kimi-K2, shrunk: q/kv low-rank projections and a rope part.
+        # MLA projects keys and values for every head: no grouped-query sharing.
+        common["num_key_value_heads"] = cfg.num_heads
         hf = DeepseekV3Config(**common, n_routed_experts=cfg.num_experts,
                               moe_intermediate_size=cfg.moe_intermediate_size,
                               intermediate_size=cfg.moe_intermediate_size * 2,

@@ -26,6 +26,7 @@ import torch
 from moerl.config import ExperimentConfig
 from moerl.data import load_splits
 from moerl.lora.peft_lora import apply_lora
+from moerl.refit import make_refitter
 from moerl.replay.session import routing_session
 from moerl.replay.trace import RoutingTrace
 from moerl.reward import batch_rewards
@@ -100,7 +101,13 @@ class GRPOTrainer:
         self.trainable = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.trainable.values(), lr=cfg.trainer.lr,
                                            betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
-        self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
+        if cfg.refit.engine == "process":
+            from moerl.refit.engine_process import EngineProcess
+
+            self.engine = EngineProcess(cfg, self.policy)
+        else:
+            self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
+        self.refitter = make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype)
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
         self.step_idx = 0
 
@@ -152,7 +159,7 @@ class GRPOTrainer:
 
         # 5. Refit: only the LoRA weights travel to the engine.
         with timer("refit"):
-            self.refit()
+            refit_metrics = self.refit()
 
         # 6. Metrics, log, checkpoint.
         self.step_idx += 1
@@ -161,7 +168,7 @@ class GRPOTrainer:
                    "reward/group_solved_frac": float(_group_solved(batch)),
                    "response/length_mean": float(batch.response_lengths.float().mean()),
                    **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
-                   **update_metrics}
+                   **update_metrics, **refit_metrics}
         if native is not None and batch.routing is not None:
             metrics.update(routing_metrics(native, batch.routing.truncate_tokens(native.shape[1])))
             metrics["replay/old_pass_violations"] = float(self.old_pass_violations)
@@ -248,8 +255,9 @@ class GRPOTrainer:
         out["updates/skipped_nonfinite"] = skipped
         return out
 
-    def refit(self) -> None:
-        self.engine.load_adapter({name: p.detach() for name, p in self.trainable.items()})
+    def refit(self) -> dict:
+        """Adapter-only (LoRA tensors) or merged (full weights) refit, bucketed and checksummed."""
+        return self.refitter.sync()
 
     # ------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -292,8 +300,13 @@ class GRPOTrainer:
         self.save()
         summary = self.summarise()
         self.tracker.write_summary(summary)
-        self.tracker.close()
+        self.close()
         return summary
+
+    def close(self) -> None:
+        self.tracker.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def summarise(self) -> dict:
         from moerl.tracking import read_metrics

@@ -1,0 +1,74 @@
+"""End to end: a few GRPO steps on CPU, the run directory, metrics rows, resume and bad steps."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moerl.config import load_config
+from moerl.tracking import read_metrics
+from moerl.trainer.grpo import GRPOTrainer
+from tests_helpers import tiny_overrides_for
+
+
+def run_dir_of(cfg):
+    from pathlib import Path
+
+    return Path(cfg.tracking.output_dir) / cfg.experiment / cfg.arm / f"seed{cfg.seed}"
+
+
+@pytest.mark.slow
+def test_run_directory_metrics_and_exact_resume(tmp_path):
+    full_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "a"))
+    summary = GRPOTrainer(full_cfg, run_dir_of(full_cfg), progress=False).train()
+    run = run_dir_of(full_cfg)
+    for name in ("config.yaml", "git_sha.txt", "metrics.jsonl", "summary.json"):
+        assert (run / name).exists(), name
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 3] or [r["step"] for r in rows][:1] == [0]
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    for key in ("reward/mean", "loss/policy", "clip/frac", "grad_norm", "entropy", "response/length_mean",
+                "mismatch/k3", "routing/agreement/layer0", "routing/agreement/layer3", "time/step"):
+        assert key in train_rows[0], key
+    assert any("eval/pass1" in r for r in rows)
+    assert summary["steps"] == 3 and json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert list((run / "samples").glob("step_*.npz"))
+
+    # Interrupted after step 2, then resumed to step 3: same weights, no duplicated rows.
+    cut_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml",
+                          tiny_overrides_for(tmp_path / "b") + ["trainer.steps=2"])
+    GRPOTrainer(cut_cfg, run_dir_of(cut_cfg), progress=False).train()
+    with open(run_dir_of(cut_cfg) / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 3, "reward/mean": 0.5, "partial": tr')  # a row the crash left half-written
+    resumed_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "b"))
+    GRPOTrainer(resumed_cfg, run_dir_of(resumed_cfg), resume=True, progress=False).train()
+    resumed_rows = [r for r in read_metrics(run_dir_of(resumed_cfg) / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3]
+    for a, b in zip(train_rows, resumed_rows):
+        assert a["reward/mean"] == b["reward/mean"]
+    final_a = load_file(run / "checkpoints/step_3/lora.safetensors")
+    final_b = load_file(run_dir_of(resumed_cfg) / "checkpoints/step_3/lora.safetensors")
+    for name in final_a:
+        torch.testing.assert_close(final_a[name], final_b[name], rtol=0, atol=1e-6)
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
+    cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml",
+                      tiny_overrides_for(tmp_path) + ["trainer.steps=1"])
+    trainer = GRPOTrainer(cfg, run_dir_of(cfg), progress=False)
+    before = {k: v.detach().clone() for k, v in trainer.trainable.items()}
+    import moerl.trainer.grpo as grpo
+
+    real = grpo.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(grpo, "policy_loss", nan_loss)
+    metrics = trainer.step()
+    assert metrics["updates/skipped_nonfinite"] == cfg.trainer.mini_batches
+    for k, v in trainer.trainable.items():
+        assert torch.equal(v, before[k]), k
+    assert read_metrics(run_dir_of(cfg) / "metrics.jsonl")[-1]["updates/skipped_nonfinite"] > 0

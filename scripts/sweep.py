@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_SCRIPT = REPO / "scripts" / "run.py"
+WARM_START_SCRIPT = REPO / "scripts" / "warm_start.py"
 
 
 @dataclass
@@ -37,9 +38,10 @@ class Job:
     seed: int
     config: str          # the arm YAML
     run_dir: str         # <output>/<experiment>/<arm>/seed<k>
-    action: str          # skip | resume | fresh
+    action: str          # skip | resume | fresh | warm_start
     log: str
     command: list[str] = field(default_factory=list)
+    warm_start: str | None = None  # the uncached warm-start checkpoint this run would train first
 
 
 @dataclass
@@ -128,11 +130,32 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
                 raise SystemExit(f"{path}: experiment is {cfg.experiment!r}, the other arms say {experiment!r}")
             run_dir = out_dir / cfg.arm / f"seed{cfg.seed}"
             action = decide(run_dir)
+            warm = None
+            if cfg.warm_start.enabled and action != "skip":
+                from moerl.trainer.warm_start import warm_start_dir
+
+                ws_dir = warm_start_dir(cfg)
+                warm = None if (ws_dir / "meta.json").exists() else str(ws_dir)
             log = out_dir / "sweep_logs" / f"{cfg.arm}-seed{cfg.seed}.log"
             cmd = [] if action == "skip" else build_command(python, str(path), seed, action, threads, overrides,
                                                             run_script)
-            jobs.append(Job(cfg.arm, seed, str(path), str(run_dir), action, str(log), cmd))
+            jobs.append(Job(cfg.arm, seed, str(path), str(run_dir), action, str(log), cmd, warm))
     return experiment, out_dir, jobs
+
+
+def warm_start_jobs(jobs: list[Job], out_dir: Path, threads: int, overrides: list[str], python: str = sys.executable,
+                    script: str | Path = WARM_START_SCRIPT) -> list[Job]:
+    """One scripts/warm_start.py job per uncached warm-start checkpoint the runs need, to run before
+    them: concurrent runs sharing a missing checkpoint would otherwise each train it (and race on
+    writing it). Arms with the same model/data/warm-start config share one checkpoint."""
+    first: dict[str, Job] = {}
+    for j in jobs:
+        if j.warm_start and j.action != "skip":
+            first.setdefault(j.warm_start, j)
+    return [Job(j.arm, j.seed, j.config, path, "warm_start",
+                str(out_dir / "sweep_logs" / f"warm_start-{Path(path).name}.log"),
+                [python, str(script), j.config, f"threads={threads}", *overrides])
+            for path, j in first.items()]
 
 
 def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
@@ -150,7 +173,8 @@ def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
 
 def _report(done: int, total: int, r: Result) -> None:
     status = "ok" if r.rc == 0 else f"FAILED (rc {r.rc}, see {r.log})"
-    print(f"[sweep {done}/{total}] {r.arm} seed{r.seed} ({r.action}): {status} in {r.seconds:.0f} s", flush=True)
+    what = f"warm start for {r.arm}" if r.action == "warm_start" else f"{r.arm} seed{r.seed} ({r.action})"
+    print(f"[sweep {done}/{total}] {what}: {status} in {r.seconds:.0f} s", flush=True)
 
 
 def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
@@ -191,9 +215,11 @@ def run_ray(jobs: list[Job], threads: int) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     lines = ["arm | seed | action | status | seconds", "--- | --- | --- | --- | ---"]
-    for r in sorted(results, key=lambda r: (r.arm, r.seed)):
+    for r in sorted(results, key=lambda r: (r.action != "warm_start", r.arm, r.seed)):
         status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else f"failed rc={r.rc}")
-        lines.append(f"{r.arm} | {r.seed} | {r.action} | {status} | {r.seconds:.0f}")
+        if r.rc == -2:
+            status = f"not started: its warm start failed ({r.log})"
+        lines.append(f"{r.arm} | {'-' if r.action == 'warm_start' else r.seed} | {r.action} | {status} | {r.seconds:.0f}")
     return "\n".join(lines)
 
 
@@ -205,7 +231,7 @@ def record(out_dir: Path, entry: dict) -> Path:
     data["total_wall_seconds"] = sum(i["wall_seconds"] for i in data["invocations"] if i["ran"])
     runs = data.setdefault("runs", {})
     for r in entry["results"]:
-        if r["rc"] is None:
+        if r["rc"] is None or r["action"] == "warm_start":
             continue
         slot = runs.setdefault(f"{r['arm']}/seed{r['seed']}", {"seconds": 0.0, "attempts": 0})
         slot["seconds"] += r["seconds"] if r["seconds"] == r["seconds"] else 0.0
@@ -225,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     ap.add_argument("--seed-list", default=None, help="explicit seeds, comma-separated (instead of --seeds)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arms (default: all)")
-    ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: cores // 1, at most the runs)")
+    ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the number of cores)")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default max(1, cores // jobs))")
     ap.add_argument("--output-dir", default=None, help="tracking.output_dir for every run (default: the config's)")
     ap.add_argument("--ray", action="store_true", help="run as Ray tasks (RAY_ADDRESS, or a local Ray)")
     ap.add_argument("--run-script", default=str(RUN_SCRIPT), help=argparse.SUPPRESS)  # tests: a stand-in run.py
+    ap.add_argument("--warm-start-script", default=str(WARM_START_SCRIPT), help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
     args = ap.parse_intermixed_args(argv)
 
@@ -242,21 +269,33 @@ def main(argv: list[str] | None = None) -> int:
     experiment, out_dir, jobs = plan(Path(args.experiment_dir), seeds, arms, overrides, threads,
                                      run_script=args.run_script)
     todo = [j for j in jobs if j.action != "skip"]
+    n_warm = len({j.warm_start for j in todo if j.warm_start})
+    warm_threads = args.threads or threads_per_job(cores, min(n_jobs, max(n_warm, 1)))
+    warm = warm_start_jobs(todo, out_dir, warm_threads, overrides, script=args.warm_start_script)
     print(f"[sweep] {experiment}: {len(jobs)} runs ({len(jobs) - len(todo)} finished, "
           f"{sum(j.action == 'resume' for j in todo)} to resume, {sum(j.action == 'fresh' for j in todo)} to start); "
           f"{'ray' if args.ray else f'{n_jobs} at a time'}, {threads} thread(s) each, {cores} cores", flush=True)
+    if warm:
+        print(f"[sweep] {len(warm)} warm-start checkpoint(s) to train first: {[j.run_dir for j in warm]}")
     if args.dry_run:
-        for j in jobs:
+        for j in warm + jobs:
             print(f"{j.arm} seed{j.seed}: {j.action}" + (f"  $ {' '.join(j.command)}" if j.command else ""))
         return 0
 
     start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
-    ran = run_ray(todo, threads) if (args.ray and todo) else (run_local(todo, n_jobs, threads) if todo else [])
+    runner = (lambda js, t: run_ray(js, t)) if args.ray else (lambda js, t: run_local(js, n_jobs, t))
+    ran = runner(warm, warm_threads) if warm else []
+    failed_logs = {r.log for r in ran if r.rc != 0}
+    broken = {j.run_dir: j.log for j in warm if j.log in failed_logs}
+    # Runs whose warm start failed are not started (each would retry it): reported as failed.
+    ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start]) for j in todo if j.warm_start in broken]
+    todo = [j for j in todo if j.warm_start not in broken]
+    ran += runner(todo, threads) if todo else []
     wall = time.perf_counter() - start
     results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log) for j in jobs if j.action == "skip"]
     from moerl.tracking import git_sha
 
-    path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(todo), "jobs": n_jobs,
+    path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(ran), "jobs": n_jobs,
                             "threads_per_job": threads, "cores": cores, "ray": args.ray, "git_sha": git_sha(),
                             "seeds": seeds, "overrides": overrides, "results": [asdict(r) for r in results]})
     print(table(results))

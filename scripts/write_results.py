@@ -22,6 +22,7 @@ from moerl.results import MissingRunError, load_sweep, mean_std, run_table, seed
 # (column in run_table, header, format, what it is)
 COLUMNS = [
     ("final_eval/eval/greedy", "held-out acc. (greedy)", "{:.3f}", "accuracy on the held-out split after GRPO, greedy"),
+    ("gain", "greedy gain", "{:+.3f}", "final minus initial held-out greedy accuracy (what GRPO added to the warm start)"),
     ("final_eval/eval/pass1", "held-out pass@1 (T=1)", "{:.3f}", "the same, one sample at temperature 1"),
     ("mean/mismatch/k3", "k3 KL", "{:.2e}",
      "token-mean k3 estimate of KL(pi_rollout || pi_old), mean over steps"),
@@ -39,6 +40,9 @@ COLUMNS = [
 
 def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.copy()
+    if {"final_eval/eval/greedy", "initial_eval/eval/greedy"} <= set(runs.columns):
+        runs["gain"] = (pd.to_numeric(runs["final_eval/eval/greedy"], errors="coerce")
+                        - pd.to_numeric(runs["initial_eval/eval/greedy"], errors="coerce"))
     runs["wall"] = runs["wall/run_s"].where(runs["wall/run_s"].notna(), runs.get("wall/train_s"))
     return seed_stats(runs, [c for c, *_ in COLUMNS])
 

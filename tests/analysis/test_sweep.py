@@ -40,10 +40,31 @@ if os.environ.get("FAKE_FAIL_ARM") == cfg.arm:
 '''
 
 
+# A stand-in for scripts/warm_start.py: writes the cache entry the config points at, counts calls.
+FAKE_WARM_START = '''
+import json, sys
+from pathlib import Path
+from moerl.config import load_config
+from moerl.trainer.warm_start import warm_start_dir
+path = warm_start_dir(load_config(sys.argv[1], sys.argv[2:]))
+path.mkdir(parents=True)
+(path / "meta.json").write_text(json.dumps({"argv": sys.argv[1:]}))
+with open(path.parent / "calls.txt", "a") as fh:
+    fh.write(path.name + "\\n")
+'''
+
+
 @pytest.fixture
 def fake_run(tmp_path):
     path = tmp_path / "fake_run.py"
     path.write_text(FAKE_RUN)
+    return path
+
+
+@pytest.fixture
+def fake_warm_start(tmp_path):
+    path = tmp_path / "fake_warm_start.py"
+    path.write_text(FAKE_WARM_START)
     return path
 
 
@@ -107,18 +128,25 @@ def test_plan_decides_per_run_and_validates(tmp_path):
         sweep.plan(EXP_DIR, [0], ["r3"], ["trainer.stepz=3"], 1)
 
 
-def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, monkeypatch, capsys):
+def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monkeypatch, capsys):
     out = tmp_path / "runs"
     exp_out = out / "00_tiny_moe_cpu"
     _ckpt(exp_out / "r3" / "seed1", 5)  # an interrupted run
     monkeypatch.setenv("FAKE_FAIL_ARM", "tis")
-    argv = [str(EXP_DIR), "--seeds", "2", "--arms", "baseline,r3,tis", "--jobs", "2", "--output-dir", str(out),
-            "--run-script", str(fake_run), "trainer.steps=3"]
+    ws = tmp_path / "ws"
+    argv = [str(EXP_DIR), "--seeds", "2", "--arms", "baseline,r3,tis,deepseek_r3", "--jobs", "2",
+            "--output-dir", str(out), "--run-script", str(fake_run), "--warm-start-script", str(fake_warm_start),
+            "trainer.steps=3", f"warm_start.cache_dir={ws}"]
     assert sweep.main(argv) == 1  # tis fails
     text = capsys.readouterr().out
+    # the uncached warm starts were trained once each before the runs: one for the qwen3_moe arms
+    # (baseline, r3, tis share model/data/warm-start config), one for deepseek_r3
+    calls = sorted((ws / "calls.txt").read_text().split())
+    assert len(calls) == 2 and calls[0].startswith("deepseek_v3-") and calls[1].startswith("qwen3_moe-")
+    assert "2 warm-start checkpoint(s) to train first" in text
     assert "FAILED (rc 3" in text and "tis-seed0.log" in text and "arm | seed | action | status | seconds" in text
     calls = {(a, s): [json.loads(x) for x in (exp_out / a / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
-             for a in ("baseline", "r3", "tis") for s in (0, 1)}
+             for a in ("baseline", "r3", "tis", "deepseek_r3") for s in (0, 1)}
     assert calls[("r3", 1)][0]["action"] == "--resume" and calls[("r3", 0)][0]["action"] == "--fresh"
     cores = sweep.usable_cores()
     for c in calls.values():  # each of 2 concurrent runs gets cores // 2 threads, in env and config
@@ -143,6 +171,20 @@ def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, monkeypatch, capsys):
     assert sweep.main(argv) == 0
     data3 = json.loads((exp_out / "sweep.json").read_text())
     assert not data3["invocations"][-1]["ran"] and data3["total_wall_seconds"] == data["total_wall_seconds"]
+    assert len((ws / "calls.txt").read_text().split()) == 2  # cached now: never retrained
+
+
+def test_runs_wait_for_a_failed_warm_start(tmp_path, fake_run, capsys):
+    failing = tmp_path / "fail_ws.py"
+    failing.write_text("import sys; print('warm start broke'); sys.exit(5)")
+    out = tmp_path / "runs"
+    argv = [str(EXP_DIR), "--seeds", "1", "--arms", "baseline", "--output-dir", str(out), "--run-script",
+            str(fake_run), "--warm-start-script", str(failing), f"warm_start.cache_dir={tmp_path / 'ws'}"]
+    assert sweep.main(argv) == 1
+    text = capsys.readouterr().out
+    assert "not started: its warm start failed" in text
+    assert not (out / "00_tiny_moe_cpu" / "baseline" / "seed0").exists()
+    assert "warm start broke" in next((out / "00_tiny_moe_cpu" / "sweep_logs").glob("warm_start-*.log")).read_text()
 
 
 def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
@@ -151,7 +193,7 @@ def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     out = tmp_path / "runs"
     argv = [str(EXP_DIR), "--seeds", "1", "--arms", "baseline,r3", "--ray", "--output-dir", str(out),
-            "--run-script", str(fake_run)]
+            "--run-script", str(fake_run), "warm_start.enabled=false"]
     assert sweep.main(argv) == 0
     data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
     assert data["invocations"][0]["ray"] and set(data["runs"]) == {"baseline/seed0", "r3/seed0"}

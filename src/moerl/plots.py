@@ -132,6 +132,8 @@ def quantiles_over_time(samples: pd.DataFrame, key: str = "raw_ratio",
         ax.fill_between(sub["step"], sub[cols[0]], sub[cols[-1]], color=color, alpha=0.15)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"{key} (median, band p{qs[0] * 100:g}-p{qs[-1] * 100:g})")
     ax.set_title(title or f"{key} quantiles over training")

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     ap.add_argument("--fresh", action="store_true", help="rename an existing run directory aside and start over")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may follow the overrides
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     try:

@@ -67,7 +67,7 @@ class WarmStartConfig:
     """Supervised pre-training so GRPO starts from a policy with non-trivial accuracy."""
 
     enabled: bool = True
-    steps: int = 200
+    steps: int = 300
     batch_size: int = 256
     lr: float = 2e-3
     # Directory searched for a cached checkpoint (keyed by a hash of model config, task and seed).
@@ -160,6 +160,9 @@ class RefitConfig:
 class TrainerConfig:
     steps: int = 60
     lr: float = 1e-3
+    # Linear learning-rate warm-up: Adam's first updates are sign-like at full lr, which on freshly
+    # zero-initialised LoRA B matrices is a large, mostly random perturbation of the warm start.
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     # Each step's rollouts are split into this many optimizer updates (PPO mini-batches).

@@ -9,6 +9,7 @@ route.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -16,37 +17,10 @@ from torch import nn
 from moerl.config import RolloutConfig
 from moerl.data.prompts import render_prompt
 from moerl.data.tokenizer import BOS
-from moerl.models.routers import intercept_routing
-from moerl.replay.trace import RoutingTrace, index_dtype
+from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class RouteRecorder:
-    """Collects the native top-k of every MoE call during one `generate`."""
-
-    def __init__(self):
-        self.calls: dict[int, list[torch.Tensor]] = {}
-
-    def __call__(self, layer, native, logits):
-        self.calls.setdefault(layer.layer_number, []).append(native.detach())
-        return None
-
-    def trace(self, batch: int, total_len: int, valid: torch.Tensor, num_experts: int, top_k: int) -> RoutingTrace:
-        """Stack calls along time: [B*T0] prefill then [B] per decode step -> [B, T, L, k]."""
-        per_layer = []
-        for number in sorted(self.calls):
-            steps = [c.view(batch, -1, top_k) for c in self.calls[number]]
-            idx = torch.cat(steps, dim=1)
-            missing = total_len - idx.shape[1]  # the last sampled token was never forwarded
-            if missing < 1:
-                raise RuntimeError(f"layer {number}: captured {idx.shape[1]} routed tokens for a sequence of "
-                                   f"{total_len}; expected at most {total_len - 1}")
-            idx = torch.cat([idx, idx.new_zeros(batch, missing, top_k)], dim=1)
-            per_layer.append(idx)
-        captured = torch.stack(per_layer, dim=2).to(index_dtype(num_experts))
-        return RoutingTrace(captured, valid, tuple(sorted(self.calls)), num_experts, top_k)
 
 
 class HFEngine:
@@ -56,10 +30,6 @@ class HFEngine:
         self.model = copy.deepcopy(policy).to(self.dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        from moerl.models.routers import find_moe_layers
-
-        layers = find_moe_layers(self.model)
-        self.num_experts, self.top_k = layers[0].num_experts, layers[0].top_k
 
     # -- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -103,9 +73,8 @@ class HFEngine:
             torch.manual_seed(seed)
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-        recorder = RouteRecorder()
-        capture = intercept_routing(self.model, recorder) if cfg.capture_routing else _null()
-        with capture:
+        capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
+        with capture as recorder:
             out = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
@@ -126,12 +95,8 @@ class HFEngine:
         rollout_logprobs = torch.zeros(n, total)
         rollout_logprobs[:, t0:] = torch.where(response, logp_new, torch.zeros_like(logp_new))
 
-        routing = None
-        if cfg.capture_routing:
-            last = response_mask.long().cumsum(-1).argmax(-1)  # column of each row's last response token
-            valid = attention_mask.clone()
-            valid[torch.arange(n), last] = False
-            routing = recorder.trace(n, total, valid, self.num_experts, self.top_k)
+        # Valid routes: real tokens except each sample's last (never forwarded), as vLLM returns them.
+        routing = recorder.to_trace(attention_mask) if cfg.capture_routing else None
         texts = tok.batch_decode(torch.where(response, new, torch.full_like(new, tok.pad_token_id)),
                                  skip_special_tokens=True)
         return RolloutBatch(
@@ -139,11 +104,3 @@ class HFEngine:
             rollout_logprobs=rollout_logprobs, prompt_length=t0,
             group=torch.arange(len(questions)).repeat_interleave(group_size), routing=routing, texts=texts,
             answers=[a for a in answers for _ in range(group_size)])
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -36,7 +36,7 @@ from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from moerl.trainer.logprobs import forward_logprobs
-from moerl.replay.diagnostics import routing_agreement
+from moerl.replay.diagnostics import pick_trace, replay_plan, routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import mismatch_metrics, token_samples
 from moerl.trainer.warm_start import evaluate_policy, load_warm_start
@@ -143,17 +143,19 @@ class GRPOTrainer:
         batch.rewards = torch.tensor(batch_rewards(batch.texts, batch.answers))
         advantages = group_advantages(batch.rewards, batch.group)[:, None].expand_as(mask).float()
 
-        # 3. Old logprobs (the policy before this step's updates), under the replay plan.
-        old_pass_replay = batch.routing if cfg.replay.mode == "R3" else None
+        # 3. Old logprobs (the policy before this step's updates), under the replay plan:
+        #    R3 replays the rollout's routes here; R2 records the trainer's own (`native`).
+        plan = replay_plan(cfg.replay.mode)
         with timer("old_logprob"):
             if cfg.loss.variant == "bypass":
                 old_logp, native = batch.rollout_logprobs, None
             else:
-                old_logp, native = self.old_logprobs(batch, old_pass_replay)
+                old_logp, native = self.old_logprobs(batch, pick_trace(plan.old_logprob, batch.routing, None))
         check_finite("old_logprobs", old_logp, mask)
-        update_replay = {"none": None, "R3": batch.routing, "R2": native}[cfg.replay.mode]
+        update_replay = pick_trace(plan.update, batch.routing, native)
 
         # 4. Policy updates (mini-batches x micro-batches), replaying routes under R2/R3.
+        self.set_learning_rate()
         with timer("update"):
             update_metrics = self.update(batch, old_logp, advantages, update_replay, seed)
 
@@ -161,23 +163,26 @@ class GRPOTrainer:
         with timer("refit"):
             refit_metrics = self.refit()
 
-        # 6. Metrics, log, checkpoint.
+        # 6. Metrics, log, checkpoint (time/step covers 1-5; evaluation is timed apart).
+        step_seconds = time.perf_counter() - start
         self.step_idx += 1
         metrics = {"step": self.step_idx,
                    "reward/mean": float(batch.rewards.mean()),
                    "reward/group_solved_frac": float(_group_solved(batch)),
                    "response/length_mean": float(batch.response_lengths.float().mean()),
+                   "lr": self.optimizer.param_groups[0]["lr"],
                    **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
                    **update_metrics, **refit_metrics}
         if native is not None and batch.routing is not None:
             metrics.update(routing_metrics(native, batch.routing.truncate_tokens(native.shape[1])))
-            metrics["replay/old_pass_violations"] = float(self.old_pass_violations)
+            metrics.update({f"replay/old_pass_{k}": float(v) for k, v in self.old_pass_checks.items()})
         if cfg.trainer.samples_every and self.step_idx % cfg.trainer.samples_every == 0:
             self.save_token_samples(old_logp, batch, mask)
         if cfg.trainer.eval_every and self.step_idx % cfg.trainer.eval_every == 0:
-            metrics.update(self.evaluate())
+            with timer("eval"):
+                metrics.update(self.evaluate())
         metrics.update(timer)
-        metrics["time/step"] = time.perf_counter() - start
+        metrics["time/step"] = step_seconds
         self.tracker.log(metrics)
         if cfg.trainer.checkpoint_every and self.step_idx % cfg.trainer.checkpoint_every == 0:
             self.save()
@@ -189,7 +194,8 @@ class GRPOTrainer:
         """Trainer logprobs before the update, in micro-batches, and the trainer's native routing as
         a trace: the R2 recording, and (against the rollout's) the routing-agreement diagnostic."""
         n, t = batch.input_ids.shape
-        logps, natives, violations = [], [], 0
+        logps, natives = [], []
+        self.old_pass_checks = {"violations": 0, "recompute_mismatches": 0}
         self.policy.eval()
         for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
             sub = batch.select(rows)
@@ -198,11 +204,9 @@ class GRPOTrainer:
                 logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
             logps.append(logp)
             natives.append(s.to_trace(sub.attention_mask[:, :-1].bool()))
-            violations += s.violations
-        native = RoutingTrace(torch.cat([x.indices for x in natives]), torch.cat([x.valid for x in natives]),
-                              natives[0].moe_layers, natives[0].num_experts, natives[0].top_k)
-        self.old_pass_violations = violations
-        return torch.cat(logps), native
+            self.old_pass_checks["violations"] += s.violations
+            self.old_pass_checks["recompute_mismatches"] += s.recompute_mismatches
+        return torch.cat(logps), RoutingTrace.cat(natives)
 
     def update(self, batch: RolloutBatch, old_logp, advantages, replay: RoutingTrace | None, seed: int) -> dict:
         cfg = self.cfg
@@ -211,6 +215,7 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms, skipped = [], 0
+        checks = {"replay/violations": 0, "replay/recompute_mismatches": 0}
         generator = torch.Generator().manual_seed(seed)
         self.policy.train()
         for _ in range(cfg.trainer.epochs):
@@ -237,7 +242,8 @@ class GRPOTrainer:
                         share = aggregation_weight(mask[rows], cfg.loss.aggregation) / max(total, 1e-9)
                         (loss * share).backward()
                     m["loss/policy"] = float(loss.detach())
-                    m["replay/violations"] = float(session.violations)
+                    checks["replay/violations"] += session.violations
+                    checks["replay/recompute_mismatches"] += session.recompute_mismatches
                     w = float(mask[rows].sum())
                     for key, value in m.items():
                         sums[key] = sums.get(key, 0.0) + value * w
@@ -253,7 +259,15 @@ class GRPOTrainer:
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         out["updates/skipped_nonfinite"] = skipped
-        return out
+        return {**out, **checks}
+
+    def set_learning_rate(self) -> float:
+        """Linear warm-up over trainer.warmup_steps, a function of the step alone (resume-exact)."""
+        warmup = self.cfg.trainer.warmup_steps
+        lr = self.cfg.trainer.lr * (min(1.0, (self.step_idx + 1) / warmup) if warmup else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def refit(self) -> dict:
         """Adapter-only (LoRA tensors) or merged (full weights) refit, bucketed and checksummed."""

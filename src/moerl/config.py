@@ -318,11 +318,12 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """``over`` merged into ``base`` recursively (mappings merge, everything else replaces)."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -336,7 +337,7 @@ def _load_with_bases(path: Path, seen: tuple = ()) -> dict:
     if base is None:
         return data
     parent = _load_with_bases((path.parent / base), seen + (path.resolve(),))
-    return _deep_merge(parent, data)
+    return deep_merge(parent, data)
 
 
 def parse_override(item: str) -> dict:
@@ -363,7 +364,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = str(path)
         data = _load_with_bases(path)
     for item in overrides or []:
-        data = _deep_merge(data, parse_override(item))
+        data = deep_merge(data, parse_override(item))
     try:
         cfg = from_dict(ExperimentConfig, data)
         validate(cfg)

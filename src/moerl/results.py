@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from moerl.tracking import read_metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -33,19 +35,7 @@ class RunKey:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                warnings.warn(f"{path}: last line {i + 1} is truncated (killed run?); ignored", stacklevel=3)
-            else:
-                raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
-    return rows
+    return read_metrics(path, warn=True)
 
 
 def results_root(env: str = "MOERL_RESULTS", default: str = "results/runs") -> Path:

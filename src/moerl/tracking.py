@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import uuid
+import warnings
 from pathlib import Path
 
 from moerl.config import ExperimentConfig, save_config, to_dict
@@ -46,8 +47,9 @@ def _jsonable(value):
     return value
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a truncated last line (a killed run) is dropped."""
+def read_metrics(path: Path, warn: bool = False) -> list[dict]:
+    """Rows of a metrics.jsonl; a truncated last line (a killed run) is dropped (with a warning
+    naming the file when ``warn``); a bad line anywhere else is an error naming file and line."""
     rows = []
     if not path.exists():
         return rows
@@ -60,6 +62,8 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i != len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+            if warn:
+                warnings.warn(f"{path}: last line {i + 1} is truncated (killed run?); ignored", stacklevel=3)
     return rows
 
 

@@ -215,7 +215,7 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms, skipped = [], 0
-        checks = {"replay/violations": 0, "replay/recompute_mismatches": 0}
+        checks = {"replay/violations": 0, "replay/recompute_mismatches": 0, "replay/checked_rows": 0}
         generator = torch.Generator().manual_seed(seed)
         self.policy.train()
         for _ in range(cfg.trainer.epochs):
@@ -244,6 +244,8 @@ class GRPOTrainer:
                     m["loss/policy"] = float(loss.detach())
                     checks["replay/violations"] += session.violations
                     checks["replay/recompute_mismatches"] += session.recompute_mismatches
+                    if trace is not None:  # (valid row, MoE layer) pairs whose experts were checked
+                        checks["replay/checked_rows"] += int(trace.valid.sum()) * len(trace.moe_layers)
                     w = float(mask[rows].sum())
                     for key, value in m.items():
                         sums[key] = sums.get(key, 0.0) + value * w
@@ -259,6 +261,9 @@ class GRPOTrainer:
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         out["updates/skipped_nonfinite"] = skipped
+        if checks["replay/checked_rows"]:
+            # Under R2/R3: share of replayed (row, layer) pairs whose experts equal the trace; 1.0 unless broken.
+            out["routing/replayed_agreement"] = 1.0 - checks["replay/violations"] / checks["replay/checked_rows"]
         return {**out, **checks}
 
     def set_learning_rate(self) -> float:

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from moerl.config import deep_merge
+
 VERL_CONFIG_NAME = "ppo_megatron_trainer"
 
 
@@ -44,16 +46,6 @@ def verl_version() -> str:
     return verl.__version__
 
 
-def _deep_merge(base: dict, child: dict) -> dict:
-    out = dict(base)
-    for key, value in child.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def read_yaml_chain(path: Path, _seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
     """A YAML file merged over its ``base:`` chain; returns (merged, files base-first)."""
     path = path.resolve()
@@ -71,7 +63,7 @@ def read_yaml_chain(path: Path, _seen: tuple[Path, ...] = ()) -> tuple[dict, lis
     base = data.pop("base", None)
     if base is not None:
         parent, parent_files = read_yaml_chain(path.parent / base, _seen + (path,))
-        data = _deep_merge(parent, data)
+        data = deep_merge(parent, data)
         files = parent_files + files
     return data, files
 

@@ -3,7 +3,8 @@
 #   - sets up .venv (pinned CPU stack) if needed
 #   - warm start: reuses the committed checkpoint (or trains it, ~5 min on 2 cores)
 #   - runs the arms below for one seed; finished runs are skipped, interrupted ones resumed
-#   - writes results/runs/00_tiny_moe_cpu/<arm>/seed0/ and results/figures/*.png, prints a table
+#   - writes results/reproduce/00_tiny_moe_cpu/<arm>/seed0/ and results/reproduce/figures/*.png and
+#     prints a table (the recorded 3-seed ablation lives apart, in results/runs and results/figures)
 # Usage: bash scripts/reproduce.sh [arm ...]     (default arms: baseline fp32_rollout r3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PY=.venv/bin/python
 EXP=experiments/00_tiny_moe_cpu
+OUT=results/reproduce
 ARMS=("$@")
 [ ${#ARMS[@]} -gt 0 ] || ARMS=(baseline fp32_rollout r3)
 
@@ -19,16 +21,16 @@ $PY scripts/warm_start.py $EXP/base.yaml
 for arm in "${ARMS[@]}"; do
   cfg=$EXP/arms/$arm.yaml
   [ -f "$cfg" ] || { echo "no such arm: $cfg" >&2; exit 2; }
-  run=results/runs/00_tiny_moe_cpu/$arm/seed0
+  run=$OUT/00_tiny_moe_cpu/$arm/seed0
   if [ -f "$run/summary.json" ]; then
     echo "[reproduce] $arm: already finished ($run/summary.json), skipping"
   elif [ -d "$run/checkpoints" ]; then
     echo "[reproduce] $arm: resuming"
-    $PY scripts/run.py "$cfg" --resume
+    $PY scripts/run.py "$cfg" --resume tracking.output_dir=$OUT
   else
-    $PY scripts/run.py "$cfg" --fresh
+    $PY scripts/run.py "$cfg" --fresh tracking.output_dir=$OUT
   fi
 done
-$PY scripts/make_figures.py --runs results/runs --out results/figures
-$PY scripts/compare_runs.py results/runs/00_tiny_moe_cpu "${ARMS[@]}"
+$PY scripts/make_figures.py --runs $OUT --out $OUT/figures
+$PY scripts/compare_runs.py $OUT/00_tiny_moe_cpu "${ARMS[@]}"
 echo "[reproduce] done in $(( $(date +%s) - start )) s"

@@ -24,10 +24,13 @@ COLUMNS = [
     ("final_eval/eval/greedy", "held-out acc. (greedy)", "{:.3f}", "accuracy on the held-out split after GRPO, greedy"),
     ("gain", "greedy gain", "{:+.3f}", "final minus initial held-out greedy accuracy (what GRPO added to the warm start)"),
     ("final_eval/eval/pass1", "held-out pass@1 (T=1)", "{:.3f}", "the same, one sample at temperature 1"),
+    ("gain_pass1", "pass@1 gain", "{:+.3f}", "final minus initial held-out pass@1 at T=1 (the reward GRPO optimises)"),
     ("mean/mismatch/k3", "k3 KL", "{:.2e}",
      "token-mean k3 estimate of KL(pi_rollout || pi_old), mean over steps"),
     ("mean/routing/agreement", "routing agreement", "{:.4f}",
      "share of tokens whose trainer-native top-k equals the rollout's (all MoE layers), mean over steps"),
+    ("mean/routing/replayed_agreement", "replayed agreement", "{:.4f}",
+     "under R2/R3: share of replayed (token, layer) pairs whose experts equal the trace (n/a without replay)"),
     ("mean/clip/frac", "PPO clip frac.", "{:.4f}", "tokens whose PPO ratio was clipped (low or high)"),
     ("mean/mask/token_frac", "masked frac.", "{:.4f}", "tokens zeroed by MIS/IcePop (0 for other losses)"),
     ("mean/is/truncated_frac", "TIS trunc. frac.", "{:.4f}", "tokens whose TIS weight was truncated"),
@@ -43,6 +46,9 @@ def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     if {"final_eval/eval/greedy", "initial_eval/eval/greedy"} <= set(runs.columns):
         runs["gain"] = (pd.to_numeric(runs["final_eval/eval/greedy"], errors="coerce")
                         - pd.to_numeric(runs["initial_eval/eval/greedy"], errors="coerce"))
+    if {"final_eval/eval/pass1", "initial_eval/eval/pass1"} <= set(runs.columns):
+        runs["gain_pass1"] = (pd.to_numeric(runs["final_eval/eval/pass1"], errors="coerce")
+                              - pd.to_numeric(runs["initial_eval/eval/pass1"], errors="coerce"))
     runs["wall"] = runs["wall/run_s"].where(runs["wall/run_s"].notna(), runs.get("wall/train_s"))
     return seed_stats(runs, [c for c, *_ in COLUMNS])
 

@@ -23,8 +23,10 @@ def git_sha() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        # "-dirty" when code or configs that shape a run differ from the commit (docs do not count).
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/src", ":/experiments",
+                                ":/scripts/run.py", ":/scripts/sweep.py", ":/requirements.txt"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

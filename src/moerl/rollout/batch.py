@@ -49,10 +49,13 @@ class RolloutBatch:
 
     def select(self, rows: torch.Tensor | slice | list) -> "RolloutBatch":
         """A sub-batch (micro-batch) of samples, with its slice of the routing trace."""
-        if isinstance(rows, list):
-            rows = torch.as_tensor(rows, dtype=torch.long)
-        pick = (lambda xs: [xs[i] for i in range(len(xs))][rows] if isinstance(rows, slice)
-                else [xs[int(i)] for i in rows])
+        if isinstance(rows, slice):
+            rows = torch.arange(self.size)[rows]
+        rows = torch.as_tensor(rows, dtype=torch.long)
+
+        def pick(items: list) -> list:
+            return [items[int(i)] for i in rows]
+
         return replace(
             self,
             input_ids=self.input_ids[rows],

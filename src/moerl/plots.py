@@ -38,6 +38,7 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
     """One panel per (metric key, panel title); one line (+ seed band) per arm."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # up to 20 arms stay distinguishable
         for arm, sub in df.groupby("arm", sort=True):
             if key in sub:
                 _band(ax, sub, key, arm, smooth=smooth)

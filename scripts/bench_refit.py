@@ -25,7 +25,7 @@ from moerl.models.presets import build_model
 from moerl.refit.adapter_format import AdapterMap
 from moerl.refit.engine_process import EngineProcess
 from moerl.refit.refitter import make_refitter
-from moerl.refit.weights import base_state_dict, effective_state_dict
+from moerl.refit.weights import base_state_dict
 
 OUT = Path("results/refit")
 

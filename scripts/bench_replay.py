@@ -233,7 +233,6 @@ def trainer_ab(cfg: ExperimentConfig, steps: int, threads: int) -> dict | None:
     except ImportError as err:
         print(f"\ntrainer A/B skipped: moerl.trainer.grpo not importable ({err})")
         return None
-    arms = {}
     base = copy.deepcopy(cfg)
     base.warm_start.enabled = False
     base.threads = threads

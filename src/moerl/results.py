@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moerl.lora.expert_modes import ExpertLoRADelta, peft_expert_factors, peft_expert_tensors
+from moerl.lora.expert_modes import ExpertLoRADelta, peft_expert_factors
 from moerl.refit.weights import plain_name
 
 

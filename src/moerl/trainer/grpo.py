@@ -17,7 +17,7 @@ import logging
 import math
 import random
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np

@@ -33,6 +33,13 @@ class RunKey:
     seed: int
 
 
+def _keyed(df: pd.DataFrame, key: RunKey) -> pd.DataFrame:
+    """``df`` with experiment, arm and seed as its leading columns."""
+    for column in ("seed", "arm", "experiment"):
+        df.insert(0, column, getattr(key, column))
+    return df
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     return read_metrics(path, warn=True)
 
@@ -92,10 +99,7 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
         if not rows:
             continue
         df = pd.DataFrame([{k: _numeric(v) for k, v in r.items()} for r in rows])
-        df.insert(0, "seed", key.seed)
-        df.insert(0, "arm", key.arm)
-        df.insert(0, "experiment", key.experiment)
-        frames.append(df)
+        frames.append(_keyed(df, key))
     if not frames:
         raise MissingRunError(f"no runs with metrics under {Path(root)}")
     return pd.concat(frames, ignore_index=True, sort=False)
@@ -159,10 +163,7 @@ def load_token_samples(root: str | Path, experiment: str | None = None, arms: li
             with np.load(path) as data:
                 df = pd.DataFrame({k: data[k] for k in data.files})
             df.insert(0, "step", int(path.stem.split("_")[1]))
-            df.insert(0, "seed", key.seed)
-            df.insert(0, "arm", key.arm)
-            df.insert(0, "experiment", key.experiment)
-            frames.append(df)
+            frames.append(_keyed(df, key))
     if not frames:
         raise MissingRunError(f"no per-token samples under {Path(root)}")
     return pd.concat(frames, ignore_index=True)

@@ -44,7 +44,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
         return model
     peft_model = get_peft_model(model, peft_config(cfg, preset))
     if cfg.target_experts and cfg.expert_mode != "per_expert":
-        from moerl.lora.expert_modes import attach_expert_lora  # written for the LoRA-variants issue
+        from moerl.lora.expert_modes import attach_expert_lora
 
         attach_expert_lora(peft_model, cfg)
     return peft_model

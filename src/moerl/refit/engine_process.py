@@ -21,7 +21,7 @@ _CTX = mp.get_context("spawn")
 
 
 def _build_engine(cfg, mode: str, base: dict, adapter: dict | None):
-    """(engine or None, model): the HFEngine when the lead's module is present, else the bare model."""
+    """(engine or None, model): the HFEngine when it imports, else the bare model (logits and refit only)."""
     from moerl.data.tokenizer import build_tokenizer
     from moerl.lora.peft_lora import apply_lora
     from moerl.models.presets import build_model

@@ -2,10 +2,12 @@
 
     python scripts/make_figures.py [--runs results/runs] [--out results/figures] [--refit results/refit]
 
-Per experiment under --runs: training curves, held-out accuracy, clipping/IS, routing per layer,
-the per-arm summary (headline) and, where samples/*.npz were saved, importance-weight histograms,
-quantiles and the rollout-vs-trainer logprob scatter. Plus the refit cost figure when
---refit holds scripts/bench_refit.py's JSON.
+Per experiment under --runs, one figure per question of ``experiments/<experiment>/figures.yaml``
+(the arms it compares, the metrics it draws), the headline summary (k3 relative to baseline,
+native vs replayed routing agreement), held-out accuracy gains, routing per layer and, where
+samples/*.npz were saved, importance-weight histograms with each correction's cap or band,
+quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figure (cost, bf16 drift,
+bytes at scale) when --refit holds scripts/bench_refit.py's JSON.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 
 from moerl.plots import experiment_figures, refit_figure, save
-from moerl.results import MissingRunError, load_metrics, load_refit, load_summaries, load_token_samples
+from moerl.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
+                           load_token_samples)
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -35,7 +38,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         samples = None
     paths = []
     for experiment in sorted(df["experiment"].unique()):
-        paths += experiment_figures(df, experiment, out, runs=runs, samples=samples)
+        losses = {arm: cfg.get("loss", {}) for arm, cfg in load_arm_configs(args.runs, experiment).items()}
+        paths += experiment_figures(df, experiment, out, runs=runs, samples=samples, losses=losses)
     if args.refit:
         try:
             benches = load_refit(args.refit)

@@ -1,23 +1,29 @@
-"""Write results/RESULTS.md: one row per arm of an experiment, mean ± std over seeds.
+"""Write results/RESULTS.md: per experiment, one row per arm, mean ± std over seeds.
 
-    python scripts/write_results.py results/runs/00_tiny_moe_cpu [--out results/RESULTS.md]
-                                    [--figures results/figures]
+    python scripts/write_results.py results/runs/00_tiny_moe_cpu [more experiment dirs ...]
+                                    [--out results/RESULTS.md] [--figures figures]
+
+Each experiment directory becomes one section, in the order given.
 
 Columns: final held-out accuracy (greedy and pass@1 at T=1), mean k3 KL between rollout and
 trainer, routing agreement, PPO clip fraction, masked token fraction, IS ratio p99, wall time per
-run. The header names the commit(s) that produced the runs (their git_sha.txt) and the total sweep
-wall time measured by scripts/sweep.py (sweep.json).
+run. The header names the commit(s) that produced the runs (their git_sha.txt), the machine(s)
+they ran on (machine.json: bf16 numerics depend on the CPU's bf16 instructions, fp32 runs do not),
+the total sweep wall time measured by scripts/sweep.py (sweep.json), and links the experiment's
+figures (one per question of experiments/<name>/figures.yaml).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from moerl.results import MissingRunError, load_sweep, mean_std, run_table, seed_stats
+from moerl.plots import load_questions
+from moerl.results import MissingRunError, find_runs, load_sweep, mean_std, run_table, seed_stats
 
 # (column in run_table, header, format, what it is)
 COLUMNS = [
@@ -59,8 +65,7 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
     shas = sorted({s for s in runs["git_sha"].dropna()}) if "git_sha" in runs else []
     steps = sorted({int(s) for s in runs["steps"].dropna()}) if "steps" in runs else []
     seeds = runs.groupby("arm")["seed"].nunique()
-    lines = [f"# Results: {experiment}", "",
-             f"Written by `python scripts/write_results.py {exp_dir}` on {time.strftime('%Y-%m-%d')}.", "",
+    lines = [f"## {experiment}", "",
              f"- runs: {len(runs)} ({runs['arm'].nunique()} arms, {seeds.min()}-{seeds.max()} seeds per arm), "
              f"GRPO steps per run: {', '.join(map(str, steps)) or 'n/a'}",
              f"- produced by commit{'s' if len(shas) > 1 else ''}: " + (", ".join(f"`{s}`" for s in shas) or "unknown")
@@ -75,9 +80,13 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
                      f"{first.get('cores')} cores{', Ray' if first.get('ray') else ''})")
     else:
         lines.append("- total sweep wall time: not recorded (runs were not made by scripts/sweep.py)")
+    lines.append(f"- machine: {machines(exp_dir)}")
     if figures:
-        lines += ["", f"![per-arm summary]({figures}/{experiment}_summary.png)",
-                  "", f"![training curves]({figures}/{experiment}_training.png)"]
+        lines += ["", f"![what each arm does to the mismatch]({figures}/{experiment}_summary.png)", "",
+                  "One figure per question: " + ", ".join(
+                      f"[{q.name}]({figures}/{experiment}_{q.name}.png)" for q in load_questions(experiment))
+                  + f", [accuracy]({figures}/{experiment}_accuracy.png), "
+                    f"[IS weights]({figures}/{experiment}_is_hist.png)."]
     lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished).", ""]
     header = ["arm", "seeds"] + [h for _, h, _, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -94,19 +103,45 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
     return "\n".join(lines)
 
 
+def machines(exp_dir: Path) -> str:
+    """The machines the runs of ``exp_dir`` recorded (machine.json), with how many runs each."""
+    counts: dict[str, int] = {}
+    missing = 0
+    for key, run in find_runs(exp_dir.parent).items():
+        if key.experiment != exp_dir.name:
+            continue
+        path = run / "machine.json"
+        if not path.exists():
+            missing += 1
+            continue
+        info = json.loads(path.read_text())
+        flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in (info.get("bf16_flags") or info.get("flags") or []))
+        label = (f"{info.get('cpu_model', '?')} (bf16 ISA: {flags or 'none'}), torch {info.get('torch', '?')}, "
+                 f"{info.get('threads', '?')} thread(s)")
+        counts[label] = counts.get(label, 0) + 1
+    parts = [f"{label} — {n} run(s)" for label, n in counts.items()]
+    if missing:
+        parts.append(f"not recorded for {missing} run(s) (made before runs recorded their machine; their bf16 "
+                     "figures may differ on a CPU with other bf16 kernels)")
+    return "; ".join(parts) or "not recorded"
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment_dir", help="e.g. results/runs/00_tiny_moe_cpu")
+    ap.add_argument("experiment_dirs", nargs="+", help="e.g. results/runs/00_tiny_moe_cpu")
     ap.add_argument("--out", default="results/RESULTS.md")
     ap.add_argument("--figures", default="figures",
                     help="figure directory as linked from --out (relative to it); '' for no images")
     args = ap.parse_args(argv)
-    exp_dir = Path(args.experiment_dir)
-    try:
-        runs = run_table(exp_dir.parent, exp_dir.name)
-    except MissingRunError as err:
-        sys.exit(f"write_results: {err}")
-    text = render(exp_dir, runs, load_sweep(exp_dir), args.figures or None)
+    sections = []
+    for exp_dir in map(Path, args.experiment_dirs):
+        try:
+            runs = run_table(exp_dir.parent, exp_dir.name)
+        except MissingRunError as err:
+            sys.exit(f"write_results: {err}")
+        sections.append(render(exp_dir, runs, load_sweep(exp_dir), args.figures or None))
+    command = "python scripts/write_results.py " + " ".join(args.experiment_dirs)
+    text = "\n".join([f"# Results", "", f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.", ""] + sections)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

@@ -153,6 +153,45 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
+def load_arm_configs(root: str | Path, experiment: str) -> dict[str, dict]:
+    """Each arm's resolved config (config.yaml of its lowest seed): what a figure needs to mark the
+    arm's thresholds (TIS cap, MIS / IcePop bands)."""
+    out = {}
+    for key, run in sorted(find_runs(root).items(), key=lambda kv: (kv[0].arm, kv[0].seed)):
+        path = run / "config.yaml"
+        if key.experiment != experiment or key.arm in out or not path.exists():
+            continue
+        cfg = yaml.safe_load(path.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: expected a resolved experiment config (a mapping)")
+        out[key.arm] = cfg
+    return out
+
+
+def per_arm_table(frame: pd.DataFrame, keys: list[str], fmt: str = "{:.4f}") -> pd.DataFrame:
+    """Mean over steps of each run, then 'mean ± std' over seeds: one row per arm, one column per key
+    (keys not recorded are left out)."""
+    keys = [k for k in keys if k in frame]
+    per_run = frame.groupby(["arm", "seed"])[keys].mean().reset_index()
+    stats = seed_stats(per_run, keys)
+    return pd.DataFrame({k: [mean_std(stats.loc[a, (k, "mean")], stats.loc[a, (k, "std")], int(stats.loc[a, (k, "n")]), fmt)
+                             for a in stats.index] for k in keys}, index=stats.index)
+
+
+def select_arms(frame: pd.DataFrame, arms: list[str] | str | None) -> pd.DataFrame:
+    """Rows of the given arms (a list, or a comma-separated string as in $MOERL_ARMS); all when None
+    or empty. An arm that is not in the frame is named with the arms that are."""
+    if isinstance(arms, str):
+        arms = [a.strip() for a in arms.split(",") if a.strip()]
+    if not arms:
+        return frame
+    have = sorted(frame["arm"].unique())
+    missing = [a for a in arms if a not in have]
+    if missing:
+        raise MissingRunError(f"arm(s) {missing} not recorded (have: {have})")
+    return frame[frame["arm"].isin(arms)]
+
+
 def load_token_samples(root: str | Path, experiment: str | None = None, arms: list[str] | None = None) -> pd.DataFrame:
     """Per-token samples (rollout vs trainer logprob, IS weight, flags) saved every N steps."""
     frames = []

@@ -55,3 +55,22 @@ def test_notebook_runs_on_fixture(path, kernel_name, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     # Each notebook draws at least one figure (inline PNG), so the kernel kept its inline backend.
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure was displayed"
+
+
+def test_run_notebooks_script_saves_executed_copies(tmp_path):
+    """The documented command executes a notebook with an arm selection and keeps its outputs."""
+    import subprocess
+
+    out = tmp_path / "executed"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "run_notebooks.py"), str(NOTEBOOKS[0]),
+                           "--out", str(out), "--results", str(FIXTURE_RUNS), "--arms", "baseline,r3"],
+                          capture_output=True, text=True, cwd=REPO, env={**__import__("os").environ,
+                                                                        "OMP_NUM_THREADS": "1", "MOERL_SMOOTH": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    nb = nbformat.read(out / NOTEBOOKS[0].name, as_version=4)
+    text = json.dumps([o for c in nb.cells if c.cell_type == "code" for o in c.outputs])
+    assert "image/png" in text and "baseline" in text and "deepseek_r3" not in text
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "run_notebooks.py"), str(NOTEBOOKS[0]),
+                          "--out", str(out), "--results", str(FIXTURE_RUNS), "--arms", "nope"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode != 0 and "not recorded" in bad.stderr

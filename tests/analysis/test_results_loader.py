@@ -139,11 +139,15 @@ def test_write_results_table(tmp_path):
 
 
 def test_make_figures_writes_every_figure(tmp_path):
-    from moerl.plots import experiment_figures
+    from moerl.plots import experiment_figures, load_questions
 
     df, runs_, samples = load_metrics(FIXTURE), load_summaries(FIXTURE), load_token_samples(FIXTURE)
     paths = experiment_figures(df, EXP, tmp_path, runs=runs_, samples=samples)
     names = {p.name for p in paths}
-    assert {f"{EXP}_{k}.png" for k in ("training", "accuracy", "mitigations", "routing_layers", "summary",
-                                          "is_hist", "is_quantiles", "logprob_scatter")} <= names
+    # one figure per question of experiments/00_tiny_moe_cpu/figures.yaml whose arms and metrics were recorded
+    asked = {q.name for q in load_questions(EXP)
+             if {"baseline", "r3", "deepseek_r3"} & set(q.arms) and set(q.metrics) & set(df.columns)}
+    assert asked and {f"{EXP}_{q}.png" for q in asked} <= names
+    assert {f"{EXP}_{k}.png" for k in ("accuracy", "routing_layers", "summary", "is_hist", "is_quantiles",
+                                          "logprob_scatter")} <= names
     assert all(p.stat().st_size > 5000 for p in paths)

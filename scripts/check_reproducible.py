@@ -1,0 +1,154 @@
+"""Does an fp32 arm reproduce its recorded run exactly on this machine?
+
+    python scripts/check_reproducible.py [--arm fp32_rollout] [--seed 0] [--steps 10]
+                                         [--recorded results/runs] [--experiment experiments/00_tiny_moe_cpu]
+
+Re-runs the arm's first ``--steps`` GRPO steps (0 = the whole run) into a temporary directory and
+compares every logged value of every recorded row up to that step with the recorded run (JSON floats
+round-trip exactly), except wall-clock times. The trajectory -- what the sampled tokens decide:
+rewards, held-out accuracy, response lengths, routing, refit sizes -- must match bit for bit; float
+statistics of logprobs and gradients are reported with their largest relative difference, and must
+match too with --bitwise. The re-run uses the recorded
+run's thread count (in fp32 it sets the reduction order, so it is part of what is reproduced).
+Exits 0 when reproduced, 1 naming the first differing step and key otherwise.
+
+Why fp32: bf16 kernels differ between CPUs (AVX512-BF16 / AMX or not), so a bf16 arm is expected to
+differ across machines in its last bits, and those bits grow over a run; an fp32 run goes through
+kernels whose results this check pins down. A difference in an fp32 arm means the code, the
+environment or the data changed what a run computes.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from moerl.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _kind(row: dict) -> str:
+    return "train" if "reward/mean" in row else "eval"
+
+
+# What the run *did*: the tokens it sampled decide these, so they must match exactly. The other
+# values are float statistics of logprobs and gradients.
+TRAJECTORY = ("reward/", "eval/", "response/", "routing/", "replay/", "updates/", "refit/bytes", "refit/buckets",
+              "refit/tensors", "refit/version", "lr", "mismatch/tokens", "mismatch/seqs")
+WALL_CLOCK = ("time/", "refit/seconds")
+
+
+def is_trajectory(key: str) -> bool:
+    return key.startswith(TRAJECTORY)
+
+
+def compare(recorded: list[dict], fresh: list[dict], max_step: int | None = None) -> list[str]:
+    """Differences between two runs' metric rows, as lines 'step S (kind): key recorded X, now Y'.
+    Rows are matched by (step, train|eval); every key of a recorded row must be logged again with the
+    same value (wall-clock times excepted); keys that only the new run logs are not differences."""
+    def index(rows):
+        return {(int(r["step"]), _kind(r)): r for r in rows
+                if max_step is None or int(r["step"]) <= max_step}
+    old, new = index(recorded), index(fresh)
+    out = []
+    for key in sorted(old):
+        if key not in new:
+            out.append(f"step {key[0]} ({key[1]}): recorded, not logged by the re-run")
+            continue
+        for name, value in old[key].items():
+            if name.startswith(WALL_CLOCK):
+                continue
+            if name not in new[key]:
+                out.append(f"step {key[0]} ({key[1]}): '{name}' recorded as {value!r}, not logged by the re-run")
+            elif new[key][name] != value:
+                out.append(f"step {key[0]} ({key[1]}): '{name}' recorded {value!r}, now {new[key][name]!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", default="fp32_rollout")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10, help="GRPO steps to re-run and compare (0 = all)")
+    ap.add_argument("--recorded", default=str(REPO / "results" / "runs"))
+    ap.add_argument("--experiment", default=str(REPO / "experiments" / "00_tiny_moe_cpu"))
+    ap.add_argument("--bitwise", action="store_true",
+                    help="fail on any difference, float statistics included (expected to pass on the recording machine)")
+    args = ap.parse_args(argv)
+    experiment = Path(args.experiment)
+    run = Path(args.recorded) / experiment.name / args.arm / f"seed{args.seed}"
+    recorded = read_metrics(run / "metrics.jsonl")
+    if not recorded:
+        sys.exit(f"check_reproducible: no recorded run at {run} (expected metrics.jsonl)")
+    arm_yaml = experiment / "arms" / f"{args.arm}.yaml"
+    if not arm_yaml.exists():
+        sys.exit(f"check_reproducible: no arm config {arm_yaml}")
+    recorded_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    # fp32 results depend on the thread count (it sets the reduction order): re-run with the recorded one.
+    threads = recorded_cfg.get("threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"tracking.output_dir={tmp}", "tracking.wandb_mode=disabled", "tracking.progress_bar=false"]
+        if threads:
+            overrides.append(f"threads={threads}")
+        if args.steps:
+            overrides.append(f"trainer.steps={args.steps}")
+        cmd = [sys.executable, str(REPO / "scripts" / "run.py"), str(arm_yaml), "--seed", str(args.seed),
+               "--no-progress", *overrides]
+        print("re-running:", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"check_reproducible: the re-run failed:\n{proc.stderr[-3000:]}")
+        fresh_files = list(Path(tmp).glob(f"**/{args.arm}/seed{args.seed}/metrics.jsonl"))
+        if not fresh_files:
+            sys.exit(f"check_reproducible: the re-run wrote no metrics.jsonl under {tmp}")
+        fresh = read_metrics(fresh_files[0])
+    diffs = compare(recorded, fresh, max_step=args.steps or None)
+    compared = sum(1 for r in recorded if not args.steps or int(r["step"]) <= args.steps)
+    path_diffs = [d for d in diffs if is_trajectory(d.split("'")[1] if "'" in d else "")]
+    path_diffs += [d for d in diffs if "'" not in d]  # a missing row
+    if not diffs:
+        print(f"reproduced bit for bit: {compared} recorded rows of {run} (every value except wall-clock times)")
+        return 0
+    stats = float_deviation(recorded, fresh, args.steps or None)
+    if path_diffs or args.bitwise:
+        what = "the trajectory differs" if path_diffs else "float statistics differ (--bitwise)"
+        print(f"NOT reproduced ({what}): {len(diffs)} difference(s) in {compared} recorded rows of {run}; first:")
+        print("  " + "\n  ".join((path_diffs or diffs)[:10]))
+        return 1
+    print(f"trajectory reproduced bit for bit: {compared} recorded rows of {run} (rewards, held-out accuracy, "
+          f"response lengths, routing, refit sizes); float statistics of logprobs and gradients differ in "
+          f"their last bits on this machine (kernels or thread partition differ from the recording machine): "
+          f"largest relative difference {stats[0]:.2g} ('{stats[1]}'); mismatch and IS statistics (round-off between two fp32 policies) differ by at most "
+          f"{stats[2]:.2g} ('{stats[3]}')")
+    return 0
+
+
+def float_deviation(recorded: list[dict], fresh: list[dict], max_step: int | None) -> tuple[float, str, float, str]:
+    """(largest relative difference, its key) over losses, gradient norms and entropies, and (largest
+    absolute difference, its key) over the mismatch and importance-weight statistics: between an fp32
+    engine and an fp32 trainer those measure round-off (k3 ~ 1e-13), so only their size means anything."""
+    new = {(int(r["step"]), _kind(r)): r for r in fresh}
+    worst, worst_abs = (0.0, ""), (0.0, "")
+    for row in recorded:
+        key = (int(row["step"]), _kind(row))
+        if (max_step is not None and key[0] > max_step) or key not in new:
+            continue
+        for name, value in row.items():
+            other = new[key].get(name)
+            if name.startswith(WALL_CLOCK) or is_trajectory(name) or not isinstance(value, (int, float)) \
+                    or not isinstance(other, (int, float)) or value == other:
+                continue
+            if not name.startswith(("mismatch/", "is/", "ratio/")) and value != 0:
+                worst = max(worst, (abs(other - value) / abs(value), name))
+            else:
+                worst_abs = max(worst_abs, (abs(other - value), name))
+    return (*worst, *worst_abs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""scripts/check_reproducible.py: what counts as the trajectory (exact) and what as float statistics."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_reproducible.py"
+spec = importlib.util.spec_from_file_location("check_reproducible", SCRIPT)
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+
+RECORDED = [{"step": 0, "eval/pass1": 0.35},
+            {"step": 1, "reward/mean": 0.3, "mismatch/k3": 1e-13, "loss/policy": 0.5, "time/step": 1.0},
+            {"step": 2, "reward/mean": 0.4, "mismatch/k3": 2e-13, "loss/policy": 0.6, "time/step": 1.0}]
+
+
+def test_identical_runs_and_wall_clock_are_not_differences():
+    fresh = [dict(r) for r in RECORDED]
+    fresh[1]["time/step"] = 9.0
+    fresh[2]["new/metric"] = 1.0  # a metric only the newer code logs
+    assert check.compare(RECORDED, fresh) == []
+
+
+def test_trajectory_and_float_differences_are_told_apart():
+    fresh = [dict(r) for r in RECORDED]
+    fresh[1]["mismatch/k3"] = 3e-13
+    fresh[1]["loss/policy"] = 0.5000001
+    diffs = check.compare(RECORDED, fresh)
+    assert len(diffs) == 2 and not any(check.is_trajectory(d.split("'")[1]) for d in diffs)
+    rel, rel_key, absolute, abs_key = check.float_deviation(RECORDED, fresh, None)
+    assert rel_key == "loss/policy" and abs(rel - 2e-7) < 1e-9 and abs_key == "mismatch/k3" and absolute > 1e-13
+    fresh[2]["reward/mean"] = 0.41
+    assert any(check.is_trajectory(d.split("'")[1]) and "step 2" in d for d in check.compare(RECORDED, fresh))
+
+
+def test_a_missing_row_or_key_is_a_difference_and_max_step_limits_the_rows():
+    fresh = [dict(RECORDED[0]), {k: v for k, v in RECORDED[1].items() if k != "loss/policy"}]
+    diffs = check.compare(RECORDED, fresh)
+    assert any("'loss/policy'" in d and "not logged" in d for d in diffs)
+    assert any(d.startswith("step 2 (train): recorded, not logged") for d in diffs)
+    assert not any(d.startswith("step 2") for d in check.compare(RECORDED, fresh, max_step=1))

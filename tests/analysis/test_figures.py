@@ -1,0 +1,86 @@
+"""Figures answer one question each, arms keep their colour everywhere, and what a figure marks
+(correction thresholds, ratios to the baseline) is computed from the runs and their configs."""
+from __future__ import annotations
+
+import matplotlib.colors as mcolors
+import numpy as np
+import pandas as pd
+import pytest
+
+from moerl import plots
+from moerl.results import MissingRunError, select_arms
+
+
+def _frame(arms, seeds=(0, 1), steps=5):
+    rows = []
+    for a, arm in enumerate(arms):
+        for seed in seeds:
+            for step in range(1, steps + 1):
+                rows.append({"experiment": "x", "arm": arm, "seed": seed, "step": step,
+                             "reward/mean": 0.1 * a + 0.01 * step, "mismatch/k3": 1e-4 * (a + 1)})
+    return pd.DataFrame(rows)
+
+
+def _line_colors(fig) -> dict[str, tuple]:
+    return {line.get_label(): mcolors.to_rgba(line.get_color()) for ax in fig.axes for line in ax.get_lines()
+            if not line.get_label().startswith("_")}
+
+
+def test_an_arm_keeps_its_colour_whatever_else_is_drawn():
+    one = plots.curves(_frame(["baseline", "r3"]), [("mismatch/k3", "k3")], "a")
+    two = plots.curves(_frame(["tis", "r3", "zz_new_arm"]), [("mismatch/k3", "k3")], "b")
+    assert _line_colors(one)["r3"] == _line_colors(two)["r3"] == mcolors.to_rgba(plots.ARM_COLORS["r3"])
+    # an arm without a fixed colour still gets the same one every time
+    assert plots.arm_color("zz_new_arm") == plots.arm_color("zz_new_arm")
+    assert _line_colors(two)["zz_new_arm"] == mcolors.to_rgba(plots.arm_color("zz_new_arm"))
+    # the legend sits outside the axes (a figure legend, not one per panel)
+    assert one.legends and not any(ax.get_legend() for ax in one.axes)
+
+
+def test_questions_file_is_checked(tmp_path):
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "figures.yaml").write_text("questions:\n  - name: q\n    arms: [a]\n")
+    with pytest.raises(ValueError, match=r"figures.yaml: questions\[0\] lacks \['title'\]"):
+        plots.load_questions("exp", tmp_path)
+    assert plots.load_questions("absent", tmp_path) == []
+    qs = plots.load_questions("00_tiny_moe_cpu")
+    arms = {a for q in qs for a in q.arms}
+    assert {"baseline", "r3", "tis", "deepseek_r3"} <= arms and all(q.title.endswith("?") or "?" in q.title for q in qs)
+
+
+def test_question_figure_draws_only_its_arms():
+    q = plots.Question("replay", "Does replay help?", ["baseline", "r3"], ["mismatch/k3", "reward/mean"])
+    fig = plots.question_figure(_frame(["baseline", "r3", "tis"]), q)
+    assert set(_line_colors(fig)) == {"baseline", "r3"} and len(fig.axes) == 2
+    with pytest.raises(KeyError, match="none of its metrics"):
+        plots.question_figure(_frame(["baseline"]), plots.Question("n", "t?", ["baseline"], ["grad_norm"]))
+
+
+def test_k3_ratio_to_baseline_is_paired_by_seed():
+    runs = pd.DataFrame({"arm": ["baseline", "baseline", "r3", "r3"], "seed": [0, 1, 0, 1],
+                         "mean/mismatch/k3": [2e-4, 4e-4, 1e-4, 1e-4]})
+    ratio = plots._paired_ratio(runs, "mean/mismatch/k3", "baseline")
+    assert ratio.loc["r3", "mean"] == pytest.approx((0.5 + 0.25) / 2)
+    assert (ratio.loc["r3", "lo"], ratio.loc["r3", "hi"]) == pytest.approx((0.25, 0.5))
+    assert ratio.loc["baseline", "mean"] == 1.0
+
+
+def test_correction_marks_follow_each_arms_config():
+    assert plots.correction_marks({"variant": "tis", "tis_cap": 3.0})[0][:3] == ("cap", 3.0, None)
+    assert plots.correction_marks({"variant": "icepop", "icepop_alpha": 0.5, "icepop_beta": 5.0})[0][:3] == \
+        ("band", 0.5, 5.0)
+    kind, lo, hi, label = plots.correction_marks({"variant": "mis", "mis_lower": 0.97, "mis_upper": 1.03,
+                                                   "is_level": "geometric"})[0]
+    assert (kind, lo, hi) == ("band", 0.97, 1.03) and "geometric" in label
+    assert plots.correction_marks({"variant": "ppo_clip"}) == [] and plots.correction_marks(None) == []
+    samples = pd.DataFrame({"arm": ["tis"] * 50 + ["baseline"] * 50, "raw_ratio": np.linspace(0.5, 2.5, 100)})
+    fig = plots.ratio_histograms(samples, losses={"tis": {"variant": "tis", "tis_cap": 2.0}})
+    tis_ax = next(ax for ax in fig.axes if ax.get_title().startswith("tis"))
+    assert any(list(line.get_xdata()) == [2.0, 2.0] for line in tis_ax.get_lines())
+
+
+def test_select_arms_names_what_is_missing():
+    df = _frame(["baseline", "r3"])
+    assert set(select_arms(df, "r3")["arm"]) == {"r3"} and len(select_arms(df, "")) == len(df)
+    with pytest.raises(MissingRunError, match=r"\['nope'\] not recorded \(have: \['baseline', 'r3'\]\)"):
+        select_arms(df, ["r3", "nope"])

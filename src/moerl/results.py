@@ -1,6 +1,7 @@
 """The one loader of recorded runs, shared by scripts and notebooks: tidy pandas frames keyed by
 experiment, arm and seed, read from run directories (metrics.jsonl, config.yaml, summary.json,
-samples/*.npz) or from wandb (offline run directories, or the API when online).
+samples/*.npz) or from wandb's public API (cluster runs of verl, their metric names mapped to this
+repo's).
 
 A run directory is ``<root>/<experiment>/<arm>/seed<k>/``. A killed run's truncated last line is
 dropped with a warning naming the file; a run that is asked for but missing is reported by name.
@@ -208,49 +209,98 @@ def load_token_samples(root: str | Path, experiment: str | None = None, arms: li
     return pd.concat(frames, ignore_index=True)
 
 
-def load_wandb_offline(wandb_dir: str | Path) -> pd.DataFrame:
-    """Metrics from offline wandb run directories (``wandb/offline-run-*/run-*.wandb``)."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
+# verl's metric names (verl 0.9.1: trainer/ppo/rollout_corr_helper.py, trainer/ppo/metric_utils.py,
+# trainer/ppo/ray_trainer.py) -> this repo's, so a cluster run of 01-04 goes through the same tables,
+# figures and notebooks as a CPU run. Both sides use d = log pi_old - log pi_rollout, k1 = -d,
+# k3 = exp(d) - 1 - d and log_ppl_diff = mean log pi_rollout - mean log pi_old.
+VERL_METRIC_MAP = {
+    "rollout_corr/kl": "mismatch/k1",
+    "rollout_corr/k3_kl": "mismatch/k3",
+    "rollout_corr/log_ppl_diff": "mismatch/log_ppl_diff",
+    "rollout_corr/log_ppl_abs_diff": "mismatch/log_ppl_abs_diff",
+    "rollout_corr/log_ppl_diff_max": "mismatch/log_ppl_diff_max",
+    "rollout_corr/log_ppl_diff_min": "mismatch/log_ppl_diff_min",
+    "rollout_corr/ppl_ratio": "mismatch/ppl_ratio",
+    "rollout_corr/chi2_token": "mismatch/chi2_token",
+    "rollout_corr/training_log_ppl": "mismatch/trainer_log_ppl",
+    "rollout_corr/rollout_log_ppl": "mismatch/rollout_log_ppl",
+    "rollout_corr/rollout_is_mean": "is/mean",
+    "rollout_corr/rollout_is_std": "is/std",
+    "rollout_corr/rollout_is_max": "is/max",
+    "rollout_corr/rollout_is_min": "is/min",
+    "rollout_corr/rollout_is_eff_sample_size": "is/ess",
+    "rollout_corr/rollout_is_ratio_fraction_high": "is/above_frac",
+    "rollout_corr/rollout_is_ratio_fraction_low": "is/below_frac",
+    "rollout_corr/rollout_rs_masked_fraction": "mask/token_frac",
+    "rollout_corr/rollout_rs_seq_masked_fraction": "mask/seq_frac",
+    "training/rollout_probs_diff_max": "mismatch/dp_max",
+    "training/rollout_probs_diff_mean": "mismatch/dp_mean",
+    "training/rollout_actor_probs_pearson_corr": "mismatch/prob_pearson",
+    "training/global_step": "step",
+    "critic/score/mean": "reward/mean",
+    "actor/pg_clipfrac": "clip/frac",
+    "actor/pg_clipfrac_lower": "clip/dual_frac",
+    "actor/ppo_kl": "loss/ppo_kl",
+    "actor/pg_loss": "loss/pg",
+    "actor/grad_norm": "grad_norm",
+    "actor/entropy": "entropy",
+    "response_length/mean": "response/length_mean",
+}
 
+
+def map_verl_metrics(columns) -> dict[str, str]:
+    """Rename map for a frame of verl metrics: VERL_METRIC_MAP, plus validation accuracy
+    (``val-core/<data source>/<var>/mean@1`` -> ``eval/pass1``). Names not in the map keep theirs."""
+    out = {c: VERL_METRIC_MAP[c] for c in columns if c in VERL_METRIC_MAP}
+    val = [c for c in columns if str(c).startswith("val-core/") and str(c).endswith("/mean@1")]
+    if len(val) == 1:
+        out[val[0]] = "eval/pass1"
+    return out
+
+
+def _run_key_field(run, name: str):
+    """experiment / arm / seed of a wandb run: its config (what moerl and the verl launcher log),
+    else its group (experiment) and ``arm:`` / ``seed:`` tags."""
+    cfg = dict(run.config or {})
+    for key in (name, f"moerl/{name}", f"moerl.{name}"):
+        if cfg.get(key) is not None:
+            return cfg[key]
+    if name == "experiment" and getattr(run, "group", None):
+        return run.group
+    for tag in getattr(run, "tags", None) or []:
+        if str(tag).startswith(f"{name}:"):
+            return str(tag).split(":", 1)[1]
+    return None
+
+
+def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> pd.DataFrame:
+    """Metrics of wandb runs through the public API (``wandb.Api().runs(path, filters)``; needs network
+    and a login; an offline run gets there with ``wandb sync <run dir>``): one row per logged step,
+    keyed by experiment, arm and seed like load_metrics, verl's metric names mapped to this repo's
+    (VERL_METRIC_MAP). ``api``: a wandb.Api (tests pass a stand-in)."""
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
     frames = []
-    for path in sorted(Path(wandb_dir).glob("**/offline-run-*/run-*.wandb")):
-        ds = datastore.DataStore()
-        ds.open_for_scan(str(path))
-        rows = []
-        while True:
-            data = ds.scan_data()
-            if data is None:
-                break
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(data)
-            if rec.WhichOneof("record_type") == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
-                rows.append(row)
-        if rows:
-            df = pd.DataFrame(rows)
-            df.insert(0, "wandb_run", path.parent.name)
-            frames.append(df)
-    if not frames:
-        raise MissingRunError(f"no offline wandb runs under {Path(wandb_dir)}")
-    return pd.concat(frames, ignore_index=True)
-
-
-def load_wandb_api(path: str, keys: list[str] | None = None) -> pd.DataFrame:
-    """Metrics of runs from the wandb API (needs network and a login): ``path`` = entity/project."""
-    import wandb
-
-    frames = []
-    for run in wandb.Api().runs(path):
-        df = run.history(keys=keys, pandas=True)
-        cfg = run.config
-        df.insert(0, "seed", cfg.get("seed"))
-        df.insert(0, "arm", cfg.get("arm"))
-        df.insert(0, "experiment", cfg.get("experiment"))
+    for run in api.runs(path, filters=filters or {}):
+        df = run.history(samples=100_000, pandas=True)
+        if df is None or len(df) == 0:
+            continue
+        df = df.rename(columns=map_verl_metrics(df.columns))
+        if "step" not in df:
+            if "_step" not in df:
+                raise ValueError(f"wandb run {path}/{run.id}: no step column (training/global_step or _step)")
+            df = df.rename(columns={"_step": "step"})
+        seed = _run_key_field(run, "seed")
+        key = RunKey(str(_run_key_field(run, "experiment") or path.rsplit("/", 1)[-1]),
+                     str(_run_key_field(run, "arm") or run.name), int(seed) if seed is not None else 0)
+        df = _keyed(df, key)
+        df.insert(3, "wandb_run", run.id)
         frames.append(df)
     if not frames:
-        raise MissingRunError(f"no wandb runs at {path}")
-    return pd.concat(frames, ignore_index=True)
+        raise MissingRunError(f"no wandb runs with history at {path}" + (f" matching {filters}" if filters else ""))
+    return pd.concat(frames, ignore_index=True, sort=False)
 
 
 # ----------------------------------------------------------------------------------------------

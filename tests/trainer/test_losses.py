@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, LossConfig, load_config
-from moerl.trainer.losses import (POLICY_LOSSES, aggregate, aggregation_weight, check_finite,
+from moerl.trainer.losses import (VARIANTS, aggregate, aggregation_weight, check_finite,
                                   policy_loss, rollout_correction)
 
 # A 2-sample batch whose correction ratios rho_t = pi_old/pi_rollout are chosen by hand.
@@ -188,7 +188,7 @@ def test_identical_logprobs_mean_no_correction(variant, level):
     assert torch.all(corr.weight[mask] == 1) and torch.all(corr.weight[~mask] == 0)
 
 
-@pytest.mark.parametrize("variant", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_padding_gets_no_gradient_even_if_garbage(variant):
     torch.manual_seed(2)
     n, t = 4, 6

@@ -1,4 +1,5 @@
-"""Policy-loss variants, one function each, shared by the embedded loop and the verl plug-in.
+"""Policy-loss variants, shared by the embedded loop and the verl plug-in: each is a PPO surrogate
+times a rollout correction, listed in one table (``VARIANTS``) next to the functions it names.
 
 Signature (DESIGN.md): ``policy_loss(logp, old_logp, rollout_logp, adv, mask, cfg) -> (loss, metrics)``
 with every tensor [N, T] (``adv`` may also be [N], broadcast over a sequence's tokens), ``mask`` the
@@ -44,18 +45,8 @@ import torch
 
 from moerl.config import LossConfig
 
-LossFn = Callable[..., tuple[torch.Tensor, dict]]
-POLICY_LOSSES: dict[str, LossFn] = {}
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exp, as verl's rollout_corr_helper.SAFETY_BOUND
 GSPO_LOG_RATIO_MAX = 10.0  # verl's compute_policy_loss_gspo clamps the combined log ratio at 10
-
-
-def register(name: str):
-    def wrap(fn: LossFn) -> LossFn:
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return wrap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,79 +134,79 @@ def _seq_units(values_nt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values_nt[:, 0][has] if values_nt.dim() == 2 else values_nt[has]
 
 
-def rollout_correction(old_logp, rollout_logp, mask, cfg: LossConfig, variant: str | None = None) -> Correction:
-    """The detached rollout-correction weights of ``variant`` (default ``cfg.variant``); formulas in
-    the module docstring."""
-    variant = variant or cfg.variant
-    m = mask.bool()
-    mf = m.float()
-    d = token_log_ratio(old_logp, rollout_logp, m)
-    rho_t = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mf
-    none_n = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
-    none_nt = torch.zeros_like(m)
-    n_tok = mf.sum(-1)
-    seq_sum = d.sum(-1)
+class _Ratios:
+    """ρ on a batch, in the forms the corrections need (all detached, fp32)."""
+
+    def __init__(self, old_logp, rollout_logp, mask):
+        self.m = mask.bool()
+        self.mf = self.m.float()
+        self.d = token_log_ratio(old_logp, rollout_logp, self.m)  # log ρ_t
+        self.rho_t = torch.exp(self.d.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * self.mf
+        self.seq_sum = self.d.sum(-1)  # log ∏_t ρ_t
+        self.n_tok = self.mf.sum(-1)
+        self.none_n = torch.zeros(self.m.shape[0], dtype=torch.bool, device=self.m.device)
+        self.none_nt = torch.zeros_like(self.m)
+
+
+def no_correction(r: _Ratios, cfg: LossConfig) -> Correction:
+    """w_t = 1. ρ is still reported (against the TIS bounds) so every arm logs the same keys."""
     C = cfg.tis_cap
+    return Correction(r.mf, r.rho_t, r.rho_t[r.m], r.none_nt, r.none_nt, r.none_n, "none", 1.0 / C, C)
 
-    if variant in ("ppo_clip", "gspo", "bypass"):
-        # No correction: ρ is still reported (against the TIS bounds) so every arm logs the same keys.
-        return Correction(mf, rho_t, rho_t[m], none_nt, none_nt, none_n, "none", 1.0 / C, C)
 
-    if variant == "tis":
-        if cfg.is_level == "token":
-            weight = rho_t.clamp(max=C)
-            return Correction(weight, rho_t, rho_t[m], (rho_t > C) & m, none_nt, none_n, "token", 1.0 / C, C)
+def tis_correction(r: _Ratios, cfg: LossConfig) -> Correction:
+    """Truncated IS: token min(ρ_t, C), or sequence min(∏_t ρ_t, C) on every token of the sequence."""
+    C, m = cfg.tis_cap, r.m
+    if cfg.is_level == "token":
+        return Correction(r.rho_t.clamp(max=C), r.rho_t, r.rho_t[m], (r.rho_t > C) & m, r.none_nt, r.none_n,
+                          "token", 1.0 / C, C)
+    if cfg.is_level == "sequence":
+        rho_s = torch.exp(r.seq_sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        raw = rho_s[:, None] * r.mf
+        return Correction(raw.clamp(max=C), raw, _seq_units(rho_s, m), (rho_s > C)[:, None] & m, r.none_nt,
+                          r.none_n, "sequence", 1.0 / C, C)
+    raise ValueError(f"loss.is_level: '{cfg.is_level}' is not valid for loss.variant=tis "
+                     f"(allowed: ['token', 'sequence'])")
+
+
+def icepop_correction(r: _Ratios, cfg: LossConfig) -> Correction:
+    """IcePop: w_t = ρ_t inside [α, β], 0 outside (masked, not clipped)."""
+    keep = (r.rho_t >= cfg.icepop_alpha) & (r.rho_t <= cfg.icepop_beta) & r.m
+    return Correction(r.rho_t * keep, r.rho_t, r.rho_t[r.m], r.none_nt, r.m & ~keep, r.none_n, "token",
+                      cfg.icepop_alpha, cfg.icepop_beta)
+
+
+def mis_correction(r: _Ratios, cfg: LossConfig) -> Correction:
+    """Masked IS at token, sequence or geometric level, with the optional catastrophic-token veto."""
+    lo, hi, C, m, mf = cfg.mis_lower, cfg.mis_upper, cfg.tis_cap, r.m, r.mf
+    vetoed = ((r.d < math.log(cfg.mis_veto)) & m).any(-1) if cfg.mis_veto is not None else r.none_n
+    trunc = r.none_nt
+    if cfg.is_level == "token":
+        raw, units = r.rho_t, r.rho_t[m]
+        keep = (r.rho_t >= lo) & (r.rho_t <= hi) & m
+        weight = r.rho_t
+    elif cfg.is_level in ("sequence", "geometric"):
+        # sequence: ∏_t ρ_t; geometric: its |y|-th root, exp(mean_t log ρ_t)
+        log_s = r.seq_sum if cfg.is_level == "sequence" else r.seq_sum / r.n_tok.clamp(min=1)
+        rho_s = torch.exp(log_s.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        raw, units = rho_s[:, None] * mf, _seq_units(rho_s, m)
+        keep = ((rho_s >= lo) & (rho_s <= hi))[:, None] & m
         if cfg.is_level == "sequence":
-            rho_s = torch.exp(seq_sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-            raw = rho_s[:, None] * mf
-            trunc = (rho_s > C)[:, None] & m
-            return Correction(raw.clamp(max=C), raw, _seq_units(rho_s, m), trunc, none_nt, none_n,
-                              "sequence", 1.0 / C, C)
-        raise ValueError(f"loss.is_level: '{cfg.is_level}' is not valid for loss.variant=tis "
-                         f"(allowed: ['token', 'sequence'])")
-
-    if variant == "icepop":
-        keep = (rho_t >= cfg.icepop_alpha) & (rho_t <= cfg.icepop_beta) & m
-        return Correction(rho_t * keep, rho_t, rho_t[m], none_nt, m & ~keep, none_n, "token",
-                          cfg.icepop_alpha, cfg.icepop_beta)
-
-    if variant == "mis":
-        lo, hi = cfg.mis_lower, cfg.mis_upper
-        if cfg.mis_veto is not None:
-            vetoed = ((d < math.log(cfg.mis_veto)) & m).any(-1)
-        else:
-            vetoed = none_n
-        trunc = none_nt
-        if cfg.is_level == "token":
-            raw, units = rho_t, rho_t[m]
-            keep = (rho_t >= lo) & (rho_t <= hi) & m
-            weight = rho_t
-        elif cfg.is_level in ("sequence", "geometric"):
-            if cfg.is_level == "sequence":
-                log_s = seq_sum
-            else:  # geometric mean of the token ratios: exp(mean_t log ρ_t)
-                log_s = seq_sum / n_tok.clamp(min=1)
-            rho_s = torch.exp(log_s.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-            raw, units = rho_s[:, None] * mf, _seq_units(rho_s, m)
-            keep = ((rho_s >= lo) & (rho_s <= hi))[:, None] & m
-            if cfg.is_level == "sequence":
-                weight = raw
-            elif cfg.mis_token_tis:
-                weight = rho_t.clamp(max=C)
-                trunc = (rho_t > C) & m
-            else:  # rejection only: the geometric mean is a filter, not an unbiased weight
-                weight = mf
-        else:
-            raise ValueError(f"loss.is_level: unknown level '{cfg.is_level}'")
-        keep = keep & ~vetoed[:, None]
-        trunc = trunc & keep
-        return Correction(weight * keep, raw, units, trunc, m & ~keep, vetoed, cfg.is_level, lo, hi)
-
-    raise ValueError(f"loss.variant: unknown variant '{variant}' (have: {sorted(POLICY_LOSSES)})")
+            weight = raw
+        elif cfg.mis_token_tis:
+            weight = r.rho_t.clamp(max=C)
+            trunc = (r.rho_t > C) & m
+        else:  # rejection only: the geometric mean is a filter, not an unbiased weight
+            weight = mf
+    else:
+        raise ValueError(f"loss.is_level: unknown level '{cfg.is_level}'")
+    keep = keep & ~vetoed[:, None]
+    return Correction(weight * keep, raw, units, trunc & keep, m & ~keep, vetoed, cfg.is_level, lo, hi)
 
 
-# ---------------------------------------------------------------------------------------------
-# Metric helpers (plain floats, so they go straight to metrics.jsonl)
+def rollout_correction(old_logp, rollout_logp, mask, cfg: LossConfig, variant: str | None = None) -> Correction:
+    """The detached rollout-correction weights of ``variant`` (default ``cfg.variant``)."""
+    return variant_of(variant or cfg.variant).correction(_Ratios(old_logp, rollout_logp, mask), cfg)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -322,7 +313,41 @@ def _gspo_surrogate(logp, old_logp, adv, mask, eps_low, eps_high) -> _Surrogate:
 
 
 # ---------------------------------------------------------------------------------------------
-# The variants
+# The variants: a surrogate, a rollout correction, and which policy plays π_old
+
+
+def ppo_clip_surrogate(logp, old_logp, adv, mask, cfg: LossConfig) -> _Surrogate:
+    return _ppo_clip_surrogate(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+
+
+def gspo_surrogate(logp, old_logp, adv, mask, cfg: LossConfig) -> _Surrogate:
+    return _gspo_surrogate(logp, old_logp, adv, mask, cfg.gspo_eps_low, cfg.gspo_eps_high)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A policy-loss variant is a PPO surrogate times a rollout correction (module docstring)."""
+
+    surrogate: Callable[..., _Surrogate]  # (logp, old_logp, adv, mask, cfg) -> per-token loss and clip flags
+    correction: Callable[[_Ratios, LossConfig], Correction]  # ρ = π_old/π_rollout -> w_t
+    old_is_rollout: bool = False  # bypass: π_old := π_rollout, the trainer's recompute is unused
+
+
+VARIANTS: dict[str, Variant] = {
+    "ppo_clip": Variant(ppo_clip_surrogate, no_correction),
+    "tis": Variant(ppo_clip_surrogate, tis_correction),
+    "mis": Variant(ppo_clip_surrogate, mis_correction),
+    "icepop": Variant(ppo_clip_surrogate, icepop_correction),
+    "gspo": Variant(gspo_surrogate, no_correction),
+    "bypass": Variant(ppo_clip_surrogate, no_correction, old_is_rollout=True),
+}
+
+
+def variant_of(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"loss.variant: unknown variant '{name}' (have: {sorted(VARIANTS)})") from None
 
 
 def _prepare(logp, old_logp, rollout_logp, adv, mask):
@@ -349,17 +374,12 @@ def _prepare(logp, old_logp, rollout_logp, adv, mask):
 def policy_loss_terms(logp, old_logp, rollout_logp, adv, mask, cfg: LossConfig, variant: str | None = None):
     """Per-token loss [N, T] (correction weight applied, 0 off-response) and metrics, before
     aggregation. The verl plug-in aggregates this with verl's own ``agg_loss``."""
-    variant = variant or cfg.variant
+    spec = variant_of(variant or cfg.variant)
     logp, old_logp, rollout_logp, adv, m = _prepare(logp, old_logp, rollout_logp, adv, mask)
-    if variant == "bypass":
-        old_logp = rollout_logp  # π_old := π_rollout; whatever the trainer passed as old is unused
-    corr = rollout_correction(old_logp, rollout_logp, m, cfg, variant)
-    if variant == "gspo":
-        surr = _gspo_surrogate(logp, old_logp, adv, m, cfg.gspo_eps_low, cfg.gspo_eps_high)
-    elif variant in ("ppo_clip", "tis", "mis", "icepop", "bypass"):
-        surr = _ppo_clip_surrogate(logp, old_logp, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-    else:
-        raise ValueError(f"loss.variant: unknown variant '{variant}' (have: {sorted(POLICY_LOSSES)})")
+    if spec.old_is_rollout:
+        old_logp = rollout_logp  # whatever the trainer passed as π_old is unused
+    corr = spec.correction(_Ratios(old_logp, rollout_logp, m), cfg)
+    surr = spec.surrogate(logp, old_logp, adv, m, cfg)
     per_token = torch.where(m, surr.per_token * corr.weight, torch.zeros_like(surr.per_token))
 
     with torch.no_grad():
@@ -382,32 +402,10 @@ def policy_loss_terms(logp, old_logp, rollout_logp, adv, mask, cfg: LossConfig, 
     return per_token, metrics
 
 
-def _variant(name: str) -> LossFn:
-    def fn(logp, old_logp, rollout_logp, adv, mask, cfg: LossConfig):
-        per_token, metrics = policy_loss_terms(logp, old_logp, rollout_logp, adv, mask, cfg, variant=name)
-        loss = aggregate(per_token, mask, cfg.aggregation)
-        metrics["loss/pg"] = float(loss.detach())
-        return loss, metrics
-
-    fn.__name__ = name
-    fn.__qualname__ = name
-    fn.__doc__ = f"Policy loss '{name}' (formula in moerl.trainer.losses' module docstring)."
-    return register(name)(fn)
-
-
-ppo_clip = _variant("ppo_clip")
-tis = _variant("tis")
-mis = _variant("mis")
-icepop = _variant("icepop")
-gspo = _variant("gspo")
-bypass = _variant("bypass")
-
-
 def policy_loss(logp, old_logp, rollout_logp, adv, mask, cfg: LossConfig):
-    """Dispatch on ``cfg.variant``. Returns (scalar loss, metrics with clip/ is/ mask/ effective/
-    ratio/ loss/ prefixes)."""
-    try:
-        fn = POLICY_LOSSES[cfg.variant]
-    except KeyError:
-        raise ValueError(f"loss.variant: unknown variant '{cfg.variant}' (have: {sorted(POLICY_LOSSES)})") from None
-    return fn(logp, old_logp, rollout_logp, adv, mask, cfg)
+    """The ``cfg.variant`` loss of one micro-batch, aggregated under ``cfg.aggregation``. Returns
+    (scalar loss, metrics with clip/ is/ mask/ effective/ ratio/ loss/ prefixes)."""
+    per_token, metrics = policy_loss_terms(logp, old_logp, rollout_logp, adv, mask, cfg)
+    loss = aggregate(per_token, mask, cfg.aggregation)
+    metrics["loss/pg"] = float(loss.detach())
+    return loss, metrics

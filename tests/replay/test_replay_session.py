@@ -7,8 +7,7 @@ from moerl.config import LoraConfig
 from moerl.lora.peft_lora import apply_lora
 from moerl.models.routers import find_moe_layers
 from moerl.replay.capture import record_generation
-from moerl.replay.diagnostics import (ReplayViolation, pick_trace, replay_plan, routing_agreement,
-                                      routing_metrics)
+from moerl.replay.diagnostics import ReplayViolation, routing_agreement, routing_metrics
 from moerl.replay.engine_output import trace_from_vllm
 from moerl.replay.session import routing_session
 from moerl.replay.trace import RoutingTrace, TraceError
@@ -147,8 +146,6 @@ def test_peft_wrapped_model_replays_and_trains_lora_experts():
 @pytest.mark.parametrize("preset", ["qwen3_moe", "deepseek_v3"])
 def test_r2_record_full_batch_replay_per_micro_batch(preset):
     model, ids = small_model(preset), random_ids(6, T, seed=1)
-    plan = replay_plan("R2")
-    assert plan.old_logprob.record and plan.old_logprob.replay == "none" and plan.update.replay == "recorded"
     # Old-logprob pass in micro-batches of 4 and 2, recordings concatenated (as the trainer does).
     parts, full_logits = [], []
     for rows in (torch.arange(0, 4), torch.arange(4, 6)):
@@ -162,7 +159,7 @@ def test_r2_record_full_batch_replay_per_micro_batch(preset):
             layer.block.gate.weight.add_(torch.randn_like(layer.block.gate.weight))
     changed = 0
     for rows in (torch.tensor([5, 0, 3]), torch.tensor([1, 2, 4])):  # other micro-batches, shuffled
-        sub = pick_trace(plan.update, None, recorded)[rows]
+        sub = recorded[rows]
         with routing_session(model, (len(rows), T), replay=sub, strict=True) as s:
             model(ids[rows]).logits.sum().backward()
         for number in recorded.moe_layers:
@@ -230,14 +227,11 @@ def test_session_rejects_traces_that_do_not_fit():
             model(ids[:2])
 
 
-def test_replay_plan_and_missing_traces():
-    r3 = replay_plan("R3")
-    assert (r3.old_logprob.replay, r3.update.replay, r3.needs_rollout_trace) == ("rollout", "rollout", True)
-    assert replay_plan("none").update.replay == "none"
-    with pytest.raises(ValueError, match="unknown mode 'R4'"):
-        replay_plan("R4")
-    with pytest.raises(TraceError, match="rollout.capture_routing=true"):
-        pick_trace(r3.update, None, None)
+def test_r3_without_a_captured_trace_is_refused_before_a_run():
+    from moerl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="replay.mode=R3 needs rollout.capture_routing=true"):
+        load_config("experiments/00_tiny_moe_cpu/arms/r3.yaml", ["rollout.capture_routing=false"])
 
 
 def test_generation_capture_matches_trainer_and_r3_agreement_is_one():

@@ -1,4 +1,4 @@
-"""Routing diagnostics logged every step in every arm, and which trace each pass replays.
+"""Routing diagnostics logged every step in every arm.
 
 - ``routing_agreement``: per MoE layer, the fraction of valid rows where the trainer's *native*
   top-k is the same set as the rollout's. Computed with replay off too: it is the training-inference
@@ -7,9 +7,6 @@
   replayed trace (counted by RoutingSession from the innermost experts module's arguments); must be 0.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -75,47 +72,3 @@ def routing_metrics(session, rollout: RoutingTrace | None, replayed: RoutingTrac
         m[f"{prefix}/replayed_rows"] = float(replayed.valid.sum())
     m[f"{prefix}/recompute_mismatches"] = float(session.recompute_mismatches)
     return m
-
-
-# -- which trace each pass uses --------------------------------------------------------------------
-@dataclass(frozen=True)
-class PassPlan:
-    record: bool  # keep this pass's native routing as a trace (session.to_trace)
-    replay: Literal["none", "rollout", "recorded"]  # which trace the routers replay
-
-
-@dataclass(frozen=True)
-class ReplayPlan:
-    mode: str
-    old_logprob: PassPlan
-    update: PassPlan
-    needs_rollout_trace: bool  # the engine must capture routing
-
-    def describe(self) -> str:
-        return (f"{self.mode}: old-logprob pass replays {self.old_logprob.replay}"
-                f"{' and records' if self.old_logprob.record else ''}; update passes replay {self.update.replay}")
-
-
-def replay_plan(mode: str) -> ReplayPlan:
-    """R3: rollout trace in the old-logprob pass and in every update pass. R2: record the trainer's
-    routing in the old-logprob pass (no replay there), replay the recording in the update passes.
-    none: native routing everywhere (the rollout trace, if captured, is only a diagnostic)."""
-    if mode == "R3":
-        return ReplayPlan("R3", PassPlan(False, "rollout"), PassPlan(False, "rollout"), True)
-    if mode == "R2":
-        return ReplayPlan("R2", PassPlan(True, "none"), PassPlan(False, "recorded"), False)
-    if mode == "none":
-        return ReplayPlan("none", PassPlan(False, "none"), PassPlan(False, "none"), False)
-    raise ValueError(f"replay.mode: unknown mode '{mode}' (expected none, R2 or R3)")
-
-
-def pick_trace(pass_plan: PassPlan, rollout: RoutingTrace | None, recorded: RoutingTrace | None) -> RoutingTrace | None:
-    """The trace a pass replays, or a clear error when the plan needs one that is missing."""
-    if pass_plan.replay == "none":
-        return None
-    trace = rollout if pass_plan.replay == "rollout" else recorded
-    if trace is None:
-        what = ("the rollout's routing trace (rollout.capture_routing=true)" if pass_plan.replay == "rollout"
-                else "the old-logprob pass's recording (R2 records it there)")
-        raise TraceError(f"replay needs {what}, but it is missing")
-    return trace

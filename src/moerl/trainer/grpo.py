@@ -18,6 +18,7 @@ import math
 import random
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,6 @@ from moerl.config import ExperimentConfig
 from moerl.data import load_splits
 from moerl.lora.peft_lora import apply_lora
 from moerl.refit import make_refitter
-from moerl.replay.session import routing_session
 from moerl.replay.trace import RoutingTrace
 from moerl.reward import batch_rewards
 from moerl.rollout.batch import RolloutBatch
@@ -35,8 +35,8 @@ from moerl.rollout.hf import HFEngine
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
-from moerl.trainer.logprobs import forward_logprobs
-from moerl.replay.diagnostics import pick_trace, replay_plan, routing_agreement
+from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
+from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import mismatch_metrics, token_samples
 from moerl.trainer.warm_start import evaluate_policy, load_warm_start
@@ -72,6 +72,17 @@ class PromptSampler:
     def load(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._permutation()
+
+
+@dataclass
+class OldLogprobPass:
+    """What the old-logprob pass produced: pi_old of every token, the experts the trainer's routers
+    used (None when the pass was skipped) and the replay checks of that pass."""
+
+    logp: torch.Tensor  # [N, T], aligned with RolloutBatch.rollout_logprobs
+    routes: RoutingTrace | None = None  # [N, T-1, L_moe, k]: the trainer's forward positions
+    violations: int = 0
+    recompute_mismatches: int = 0
 
 
 class Timer(dict):
@@ -110,6 +121,10 @@ class GRPOTrainer:
         self.refitter = make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype)
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
         self.step_idx = 0
+        if cfg.loss.variant == "bypass":
+            log.warning("loss.variant=bypass skips the old-logprob pass (pi_old = pi_rollout): the trainer's "
+                        "native routing is never computed, so routing/agreement* and mismatch/* (pi_old vs "
+                        "pi_rollout, identical by construction) measure nothing in this run")
 
         resume_step = None
         if resume:
@@ -143,16 +158,19 @@ class GRPOTrainer:
         batch.rewards = torch.tensor(batch_rewards(batch.texts, batch.answers))
         advantages = group_advantages(batch.rewards, batch.group)[:, None].expand_as(mask).float()
 
-        # 3. Old logprobs (the policy before this step's updates), under the replay plan:
-        #    R3 replays the rollout's routes here; R2 records the trainer's own (`native`).
-        plan = replay_plan(cfg.replay.mode)
+        # 3. Old logprobs: the trainer's pre-update policy on the sampled tokens (skipped by the
+        #    bypass loss, which takes pi_old = pi_rollout). Under R3 its routers replay the rollout's
+        #    experts; otherwise they route natively, and what they chose is kept: R2 replays it in the
+        #    updates, and against the rollout's trace it is the routing-agreement diagnostic.
         with timer("old_logprob"):
             if cfg.loss.variant == "bypass":
-                old_logp, native = batch.rollout_logprobs, None
+                old = OldLogprobPass(batch.rollout_logprobs)
             else:
-                old_logp, native = self.old_logprobs(batch, pick_trace(plan.old_logprob, batch.routing, None))
-        check_finite("old_logprobs", old_logp, mask)
-        update_replay = pick_trace(plan.update, batch.routing, native)
+                old = self.old_logprobs(batch, replay=batch.routing if cfg.replay.mode == "R3" else None)
+        check_finite("old_logprobs", old.logp, mask)
+        old_logp = old.logp
+        # R3: the updates replay the rollout's experts; R2: the experts the trainer chose above.
+        update_replay = {"none": None, "R2": old.routes, "R3": batch.routing}[cfg.replay.mode]
 
         # 4. Policy updates (mini-batches x micro-batches), replaying routes under R2/R3.
         self.set_learning_rate()
@@ -173,9 +191,10 @@ class GRPOTrainer:
                    "lr": self.optimizer.param_groups[0]["lr"],
                    **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
                    **update_metrics, **refit_metrics}
-        if native is not None and batch.routing is not None:
-            metrics.update(routing_metrics(native, batch.routing.truncate_tokens(native.shape[1])))
-            metrics.update({f"replay/old_pass_{k}": float(v) for k, v in self.old_pass_checks.items()})
+        if old.routes is not None and batch.routing is not None:
+            metrics.update(routing_metrics(old.routes, batch.routing))
+            metrics.update({"replay/old_pass_violations": old.violations,
+                            "replay/old_pass_recompute_mismatches": old.recompute_mismatches})
         if cfg.trainer.samples_every and self.step_idx % cfg.trainer.samples_every == 0:
             self.save_token_samples(old_logp, batch, mask)
         if cfg.trainer.eval_every and self.step_idx % cfg.trainer.eval_every == 0:
@@ -190,23 +209,23 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def old_logprobs(self, batch: RolloutBatch, replay: RoutingTrace | None):
-        """Trainer logprobs before the update, in micro-batches, and the trainer's native routing as
-        a trace: the R2 recording, and (against the rollout's) the routing-agreement diagnostic."""
-        n, t = batch.input_ids.shape
-        logps, natives = [], []
-        self.old_pass_checks = {"violations": 0, "recompute_mismatches": 0}
+    def old_logprobs(self, batch: RolloutBatch, replay: RoutingTrace | None) -> "OldLogprobPass":
+        """Trainer logprobs before the update, in micro-batches, replaying ``replay`` if given, and the
+        experts the trainer's routers used (a trace aligned with the trainer's forward)."""
+        n = batch.input_ids.shape[0]
+        logps, routes = [], []
+        violations = recompute_mismatches = 0
         self.policy.eval()
         for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
             sub = batch.select(rows)
-            trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
-            with routing_session(self.policy, (len(rows), t - 1), replay=trace, strict=self.cfg.replay.strict) as s:
+            with trainer_routing(self.policy, sub, None if replay is None else replay[rows],
+                                 strict=self.cfg.replay.strict) as session:
                 logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
             logps.append(logp)
-            natives.append(s.to_trace(sub.attention_mask[:, :-1].bool()))
-            self.old_pass_checks["violations"] += s.violations
-            self.old_pass_checks["recompute_mismatches"] += s.recompute_mismatches
-        return torch.cat(logps), RoutingTrace.cat(natives)
+            routes.append(session_trace(session, sub))
+            violations += session.violations
+            recompute_mismatches += session.recompute_mismatches
+        return OldLogprobPass(torch.cat(logps), RoutingTrace.cat(routes), violations, recompute_mismatches)
 
     def update(self, batch: RolloutBatch, old_logp, advantages, replay: RoutingTrace | None, seed: int) -> dict:
         cfg = self.cfg
@@ -226,9 +245,8 @@ class GRPOTrainer:
                 finite = True
                 for rows in _chunks(mini, cfg.trainer.micro_batch_size):
                     sub = batch.select(rows)
-                    trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
-                    with routing_session(self.policy, (len(rows), t - 1), replay=trace,
-                                         strict=cfg.replay.strict) as session:
+                    trace = None if replay is None else replay[rows]
+                    with trainer_routing(self.policy, sub, trace, strict=cfg.replay.strict) as session:
                         logp, entropy = forward_logprobs(self.policy, sub, cfg.rollout.temperature,
                                                          with_entropy=True)
                         loss, m = policy_loss(logp, old_logp[rows], batch.rollout_logprobs[rows],
@@ -245,7 +263,8 @@ class GRPOTrainer:
                     checks["replay/violations"] += session.violations
                     checks["replay/recompute_mismatches"] += session.recompute_mismatches
                     if trace is not None:  # (valid row, MoE layer) pairs whose experts were checked
-                        checks["replay/checked_rows"] += int(trace.valid.sum()) * len(trace.moe_layers)
+                        replayed = session.replay_trace
+                        checks["replay/checked_rows"] += int(replayed.valid.sum()) * len(replayed.moe_layers)
                     w = float(mask[rows].sum())
                     for key, value in m.items():
                         sums[key] = sums.get(key, 0.0) + value * w
@@ -357,7 +376,9 @@ def _group_solved(batch: RolloutBatch) -> float:
 
 def routing_metrics(native: RoutingTrace, rollout: RoutingTrace) -> dict:
     """Per-layer agreement between the trainer's native top-k and the rollout's, on valid rows
-    (with replay off this *is* the routing mismatch; under R3 it shows what replay corrects)."""
+    (with replay off this *is* the routing mismatch; under R3 it shows what replay corrects).
+    ``native`` covers the trainer's forward positions (T-1), ``rollout`` the whole batch."""
+    rollout = rollout.truncate_tokens(native.indices.shape[1])
     per_layer = routing_agreement({n: native.layer(n)[0] for n in native.moe_layers}, rollout)
     out = {f"routing/agreement/layer{n}": v for n, v in per_layer.items()}
     vals = [v for v in per_layer.values() if v == v]

@@ -1,9 +1,14 @@
 """The trainer's view of a RolloutBatch: per-token logprobs (and entropy) of the sampled tokens."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
+from moerl.replay.session import RoutingSession, routing_session
+from moerl.replay.trace import RoutingTrace
 from moerl.rollout.batch import RolloutBatch
 
 
@@ -28,3 +33,22 @@ def forward_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float =
         return logp, None
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, torch.cat([pad, entropy], dim=1)
+
+
+# The trainer's forward reads input_ids[:, :-1]: the last sampled token is never an input (no
+# engine forwards it either), so routing covers the first T-1 positions of a batch.
+@contextmanager
+def trainer_routing(model: nn.Module, batch: RolloutBatch, replay: RoutingTrace | None = None,
+                    strict: bool = False) -> Iterator[RoutingSession]:
+    """The routing session of one ``forward_logprobs`` of ``batch`` (and its backward): records the
+    trainer's experts and, with ``replay`` (a trace over the batch's T positions), replays them."""
+    n, t = batch.input_ids.shape
+    trace = None if replay is None else replay.truncate_tokens(t - 1)
+    with routing_session(model, (n, t - 1), replay=trace, strict=strict) as session:
+        yield session
+
+
+def session_trace(session: RoutingSession, batch: RolloutBatch) -> RoutingTrace:
+    """The experts the trainer's routers chose natively in ``trainer_routing`` as a trace over its
+    T-1 forward positions; padding is invalid."""
+    return session.to_trace(batch.attention_mask[:, :-1].bool())

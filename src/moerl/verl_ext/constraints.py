@@ -68,6 +68,7 @@ class LaunchSpec:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     pipeline_layout: str | list | None = None
+    mtp_layers: int | None = None     # multi-token-prediction layers Megatron builds (layouts place them)
     rollout: dict | None = None       # verl rollout keys (tp, dp, ep, pp, max_model_len, ...)
     lora: dict = field(default_factory=dict)
     verl: dict = field(default_factory=dict)  # batch sizes, epochs, replay mode, bridge flags
@@ -133,7 +134,7 @@ def megatron_config(spec: LaunchSpec):
         sequence_parallel=spec.sequence_parallel,
         num_layers_in_first_pipeline_stage=spec.first_stage_layers,
         num_layers_in_last_pipeline_stage=spec.last_stage_layers,
-        pipeline_model_parallel_layout=spec.pipeline_layout,
+        pipeline_model_parallel_layout=spec.pipeline_layout, mtp_num_layers=spec.mtp_layers,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -431,6 +432,50 @@ def _verl_epochs(spec):
     return f"{reach} steps available >= total_training_steps {steps}"
 
 
+def verl_kept_ratio_band(rc: dict, lo: float = 1e-3, hi: float = 1e3, points: int = 4001) -> tuple[float, float]:
+    """The interval of rho = pi_old/pi_rollout that verl's own rollout correction keeps (IS weight
+    > 0 and not rejected), found by running verl's ``compute_rollout_correction_and_rejection_mask``
+    on a log-spaced grid of one-token sequences (so token- and sequence-level statistics agree)."""
+    import torch
+
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    rho = torch.logspace(math.log10(lo), math.log10(hi), points, dtype=torch.float64)
+    old = torch.log(rho).unsqueeze(1)
+    mask = torch.ones_like(old)
+    weights, new_mask, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=torch.zeros_like(old), response_mask=mask,
+        rollout_is=rc.get("rollout_is"), rollout_is_threshold=rc.get("rollout_is_threshold"),
+        rollout_is_batch_normalize=False, rollout_rs=rc.get("rollout_rs"),
+        rollout_rs_threshold=rc.get("rollout_rs_threshold"))
+    kept = new_mask.bool().squeeze(1)
+    if weights is not None:
+        kept &= weights.batch["rollout_is_weights"].squeeze(1) > 0
+    if not kept.any():
+        return float("nan"), float("nan")
+    idx = torch.nonzero(kept).flatten()
+    return float(rho[idx[0]]), float(rho[idx[-1]])
+
+
+@rule("verl.declared_ratio_band", f"{VERL}: verl/trainer/ppo/rollout_corr_helper.py "
+      "compute_rollout_correction_and_rejection_mask (run on a grid of ratios)")
+def _verl_band(spec):
+    band = spec.verl.get("ratio_band")
+    if not band:
+        return None
+    rc = spec.verl.get("rollout_correction") or {}
+    got = verl_kept_ratio_band(rc)
+    want = (float(band[0]), float(band[1]))
+    if not all(math.isclose(g, w, rel_tol=0.01) for g, w in zip(got, want)):
+        raise Broken(f"moerl.ratio_band={list(want)} but verl keeps pi_old/pi_rollout in [{got[0]:.3g}, {got[1]:.3g}] "
+                     f"with algorithm.rollout_correction rollout_is={rc.get('rollout_is')} rollout_is_threshold="
+                     f"{rc.get('rollout_is_threshold')} rollout_rs={rc.get('rollout_rs')} rollout_rs_threshold="
+                     f"{rc.get('rollout_rs_threshold')} (token_k1/seq_*_k1 bounds apply to -log rho); fix: for "
+                     f"IcePop use verl's preset decoupled_token_icepop: rollout_is=token, rollout_is_threshold="
+                     f"'{want[0]}_{want[1]}', rollout_rs=null")
+    return f"verl keeps pi_old/pi_rollout in [{got[0]:.3g}, {got[1]:.3g}] as declared"
+
+
 @rule("verl.lora_needs_bridge", f"{VERL}: verl/workers/megatron_workers.py (LoRA on the Megatron backend goes "
       "through Megatron-Bridge's PEFT: use_mbridge=True, vanilla_mbridge=False)")
 def _verl_bridge(spec):
@@ -488,10 +533,10 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
         tp=int(sel(a + "tensor_model_parallel_size")), pp=int(sel(a + "pipeline_model_parallel_size")),
         vpp=sel(a + "virtual_pipeline_model_parallel_size"), ep=int(sel(a + "expert_model_parallel_size")),
         etp=None if etp is None else int(etp), cp=int(sel(a + "context_parallel_size")),
-        sequence_parallel=bool(sel(a + "sequence_parallel")),
+        sequence_parallel=verl_engine_sequence_parallel(cfg),
         first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
         last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
-        pipeline_layout=otc.get("pipeline_model_parallel_layout"),
+        pipeline_layout=otc.get("pipeline_model_parallel_layout"), mtp_layers=otc.get("mtp_num_layers"),
         rollout=dict(name=sel(r + "name"), tp=int(sel(r + "tensor_model_parallel_size")),
                      dp=int(sel(r + "data_parallel_size")), ep=int(sel(r + "expert_parallel_size")),
                      pp=int(sel(r + "pipeline_model_parallel_size", 1)), max_model_len=sel(r + "max_model_len"),
@@ -505,8 +550,23 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   total_training_steps=sel("trainer.total_training_steps"),
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
-                  use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"), _cfg=cfg),
+                  use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),
+                  ratio_band=moerl.get("ratio_band"),
+                  rollout_correction=OmegaConf.to_container(sel("algorithm.rollout_correction"), resolve=True)
+                  if sel("algorithm.rollout_correction") is not None else {}, _cfg=cfg),
         plan=plan)
+
+
+def verl_engine_sequence_parallel(cfg) -> bool:
+    """sequence_parallel as verl hands it to Megatron: verl's own McoreEngineConfig turns it off at
+    TP=1 (verl/workers/config/engine.py), so the composed YAML value is not what Megatron sees."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = OmegaConf.select(cfg, "actor_rollout_ref.actor.megatron")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(omega_conf_to_dataclass(node).sequence_parallel)
 
 
 def spec_from_megatron_recipe(recipe: dict, model: dict) -> LaunchSpec:
@@ -520,4 +580,4 @@ def spec_from_megatron_recipe(recipe: dict, model: dict) -> LaunchSpec:
         cp=m.get("context_parallel_size", 1), sequence_parallel=m.get("sequence_parallel", False),
         first_stage_layers=m.get("num_layers_in_first_pipeline_stage"),
         last_stage_layers=m.get("num_layers_in_last_pipeline_stage"),
-        pipeline_layout=m.get("pipeline_model_parallel_layout"))
+        pipeline_layout=m.get("pipeline_model_parallel_layout"), mtp_layers=m.get("mtp_num_layers"))

@@ -56,6 +56,15 @@ def pinned_version(package: str, requirements: Path = REPO / "requirements-gpu.t
     return None
 
 
+def _installed_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def vllm_version_for_run() -> tuple[str, str]:
     """(version, where it came from): the installed vLLM if any, else the requirements-gpu pin."""
     try:
@@ -206,7 +215,7 @@ def verl_validate(cfg) -> Check:
 
     shim_name = "verl.workers.rollout.vllm_rollout.utils"
     shim = None
-    if importlib.util.find_spec("vllm") is None and shim_name not in sys.modules:
+    if _installed_version("vllm") is None and shim_name not in sys.modules:  # verl asks the same way
         shim = types.ModuleType(shim_name)
         shim.get_vllm_max_lora_rank = planner.vllm_max_lora_rank
         sys.modules[shim_name] = shim

@@ -505,8 +505,10 @@ def _verl_dataclasses(spec):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 built = omega_conf_to_dataclass(node)
-        except (AssertionError, ValueError, TypeError) as err:
-            raise Broken(f"{key}: verl's {cls.__name__} rejects it: {type(err).__name__}: {err}") from None
+        except Exception as err:  # Hydra wraps the dataclass's own error in InstantiationException
+            cause = err.__cause__ or err
+            raise Broken(f"{key}: verl's {cls.__name__} rejects it: {type(cause).__name__}: {cause}; fix: the "
+                         f"key it names") from None
         if not isinstance(built, cls):
             raise Broken(f"{key}: _target_ builds {type(built).__name__}, expected {cls.__name__}")
     return "RolloutConfig and McoreActorConfig accept the config"
@@ -564,9 +566,12 @@ def verl_engine_sequence_parallel(cfg) -> bool:
     from verl.utils.config import omega_conf_to_dataclass
 
     node = OmegaConf.select(cfg, "actor_rollout_ref.actor.megatron")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return bool(omega_conf_to_dataclass(node).sequence_parallel)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return bool(omega_conf_to_dataclass(node).sequence_parallel)
+    except Exception:  # a config verl rejects is reported by verl.config_dataclasses / validate_config
+        return bool(node.get("sequence_parallel")) and int(node.get("tensor_model_parallel_size", 1)) > 1
 
 
 def spec_from_megatron_recipe(recipe: dict, model: dict) -> LaunchSpec:

@@ -174,7 +174,8 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
               f"loss_mode={loss_mode}: Ray workers only see ray_kwargs.ray_init.runtime_env.env_vars, which must "
               f"carry VERL_USE_EXTERNAL_MODULES=moerl.verl_ext.losses and {losses.ENV_CONFIG} (got "
               f"{sorted(env_vars)}); fix: declare the loss as moerl.loss in the experiment so the launcher "
-              f"applies moerl.verl_ext.losses.verl_overrides")
+              f"applies moerl.verl_ext.losses.verl_overrides (source: verl 0.9.1: verl/__init__.py imports "
+              f"VERL_USE_EXTERNAL_MODULES; verl/trainer/main_ppo.py passes ray_init.runtime_env to ray.init)")
     check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
           f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
     check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, help=f"seed for {', '.join(SEED_KEYS)}")
     ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
     ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the flags
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         print(f"error: overrides must be key=value, got {bad}", file=sys.stderr)

@@ -14,7 +14,7 @@ import sys
 
 from moerl import planner
 from moerl.verl_ext.compose import ExperimentError, compose_experiment, load_experiment
-from moerl.verl_ext.launch import layout_from_cfg
+from moerl.verl_ext.launch import gpu_hours, layout_from_cfg
 
 
 def fmt_n(x: float) -> str:
@@ -50,10 +50,13 @@ def report(p: planner.Plan, lay: planner.Layout, cfg: dict) -> str:
                    f"{fmt_n(lo.attention)}, dense MLP {fmt_n(lo.dense_mlp)}, shared experts "
                    f"{fmt_n(lo.shared_experts)}, routed experts {fmt_n(lo.routed_experts)}")
     out.append(f"layout: {lay.n_gpus} GPUs x {lay.gpu_mem_gib:.0f} GiB; trainer TP{lay.tp} PP{lay.pp} CP{lay.cp} "
-               f"EP{lay.ep} ETP{lay.etp} (DP {lay.dp}); rollout vLLM TP{lay.rollout_tp} EP{lay.rollout_ep}")
+               f"EP{lay.ep} ETP{lay.etp} (DP {lay.dp}); rollout vLLM TP{lay.rollout_tp} EP{lay.rollout_ep} "
+               f"DP{lay.rollout_dp}")
     out.append(f"trainer per GPU (peak, during the update): {p.trainer_gib:.1f} GiB")
     out += [f"  {m.name:55s} {m.gib:8.2f} GiB  {m.note}" for m in p.trainer]
     out.append(f"  resident while vLLM runs (colocated): {p.trainer_resident_during_rollout_gib:.1f} GiB")
+    out.append(f"  host RAM for offloaded params/grads/optimizer: {p.host_offload_gib_per_node:.1f} GiB per node "
+               f"({lay.gpus_per_node} GPUs)" + (f" of {lay.host_mem_gib:.0f} GiB" if lay.host_mem_gib else ""))
     out.append(f"rollout per GPU: {p.rollout_gib:.1f} GiB (KV cache holds {p.rollout_kv_tokens:,.0f} tokens per replica)")
     out += [f"  {m.name:55s} {m.gib:8.2f} GiB  {m.note}" for m in p.rollout]
     out.append("refit per step:")
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(report(p, lay, mcfg))
+    print(gpu_hours(exp, cfg))
     return 1 if p.problems else 0
 
 

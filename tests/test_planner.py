@@ -125,3 +125,32 @@ def test_plan_script_exit_codes(capsys):
                     "actor_rollout_ref.rollout.tensor_model_parallel_size=8"])
     out = capsys.readouterr().out
     assert rc == 1 and "DOES NOT FIT" in out and "over by" in out
+
+
+def test_vllm_moe_lora_slot_uses_vllm_shapes():
+    """Kimi-K2 r32: separate gate/up A (2rH) + B (2 I_p r), down A (r I_p) + B (H r) per expert.
+    TP64 without EP holds all 384 experts on every rank (~30 GiB); EP64 holds 6 with I unsplit."""
+    cfg = planner.load_public_config("kimi_k2")
+    h, i, r = cfg["hidden_size"], cfg["moe_intermediate_size"], 32
+    no_ep = planner.vllm_moe_lora_elems_per_rank(cfg, r, tp=64, ep=1, fully_sharded=False)
+    assert no_ep == 384 * (2 * r * h + 2 * (i / 64) * r + r * (i / 64) + h * r)
+    ep = planner.vllm_moe_lora_elems_per_rank(cfg, r, tp=64, ep=64, fully_sharded=False)
+    assert ep == 6 * (2 * r * h + 2 * i * r + r * i + h * r)
+    fs = planner.vllm_moe_lora_elems_per_rank(cfg, r, tp=32, ep=1, fully_sharded=True)
+    assert fs == 384 * (2 * (r / 32) * h + 2 * (i / 32) * r + r * (i / 32) + (h / 32) * r)
+    gib_no_ep = 60 * no_ep * 2 / planner.GIB
+    assert 29 < gib_no_ep < 31 and 60 * ep * 2 / planner.GIB < 1
+
+
+def test_host_ram_for_offload_is_per_node_and_checked():
+    cfg = planner.load_public_config("kimi_k2")
+    lay = planner.Layout(n_gpus=64, gpu_mem_gib=80, tp=8, pp=8, ep=8, etp=1, rollout_tp=64, rollout_ep=64,
+                         gpu_memory_utilization=0.85, param_offload=True, optimizer_offload=True, recompute_full=True,
+                         lora_rank=32, lora_targets=("linear_proj", "linear_fc1", "linear_fc2"), gpus_per_node=8,
+                         host_mem_gib=100)
+    p = planner.plan(cfg, lay)
+    base = p.trainer[0].gib
+    assert p.host_offload_gib_per_node > 8 * base  # at least every GPU's frozen base shard
+    assert any("host RAM per node" in x for x in p.problems)
+    lay.host_mem_gib = 4000
+    assert not any("host RAM" in x for x in planner.plan(cfg, lay).problems)

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Compose against verl's config, validate, print the command, run verl.trainer.main_ppo.
+# Compose against verl's config, validate every constraint, print the command, run verl.trainer.main_ppo.
+#   ./launch.sh [--arm X] [--seed N] [--dry-run] [hydra.key=value ...]
 # Single node: run as is. Multi-node: start Ray on every node first and export RAY_ADDRESS
-# (scripts/slurm_verl.sbatch does both). Pass --dry-run to only compose, validate and print.
+# (scripts/slurm_verl.sbatch does both, after checking every node with scripts/check_cluster_env.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export MOERL_REPO="${MOERL_REPO:-$PWD}"
+if ! python -c "import moerl" 2>/dev/null; then
+    echo "error: moerl is not installed in this environment; Ray workers import it (reward, losses)." >&2
+    echo "fix: pip install --no-deps -e . (on every node, or in the shared environment)" >&2
+    exit 1
+fi
 exec python -m moerl.verl_ext.launch "experiments/$(basename "$(dirname "$0")")" "$@"

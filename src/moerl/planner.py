@@ -264,6 +264,8 @@ class Layout:
     rollout_n: int = 8
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    gpus_per_node: int = 8
+    host_mem_gib: float | None = None  # per node; None = not checked
 
     @property
     def dp(self) -> int:
@@ -309,6 +311,7 @@ class Plan:
     trace_bits_per_token: int
     rollout_kv_tokens: float
     trainer_resident_during_rollout_gib: float = 0.0
+    host_offload_gib_per_node: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -330,6 +333,25 @@ def vllm_max_lora_rank(rank: int) -> int:
         if rank <= allowed:
             return allowed
     raise PlanError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}")
+
+
+def vllm_moe_lora_elems_per_rank(cfg: dict, slot_rank: int, tp: int, ep: int, fully_sharded: bool) -> float:
+    """Elements of one MoE layer's LoRA slot on one vLLM rank, by vLLM 0.24's tensor shapes
+    (vllm/lora/layers/fused_moe.py ``_create_lora_a_weights`` / ``_create_lora_b_weights``,
+    max_loras=1): gate and up keep *separate* A [r, H] and B [I_p, r]; down has A [r, I_p] and
+    B [H, r]. With EP the MoE TP size collapses to 1 (I_p = I) and each rank holds its E/EP local
+    experts; without EP every rank holds all E experts with I_p = I/TP. fully_sharded_loras splits
+    gate/up A's rank and down B's H over TP."""
+    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], num_experts(cfg)
+    moe_tp = 1 if ep > 1 else tp
+    local = e // ep if ep > 1 else e
+    i_p = i / moe_tp
+    shard = moe_tp if fully_sharded else 1
+    a13 = 2 * (slot_rank / shard) * h
+    b13 = 2 * i_p * slot_rank
+    a2 = slot_rank * i_p
+    b2 = (h / shard) * slot_rank
+    return local * (a13 + b13 + a2 + b2)
 
 
 def routing_trace_bits_per_token(cfg: dict) -> int:
@@ -388,40 +410,40 @@ def plan(cfg: dict, layout: Layout) -> Plan:
                               f"{int(tokens)} tokens/micro-batch, {layers_here} layers/stage"))
     trainer.append(MemoryLine("CUDA context + NCCL + fragmentation", 4.0, "fixed allowance"))
 
-    # rollout: vLLM, weights over rollout TP (experts over TP too: no EP for MoE-LoRA)
-    rtp = layout.rollout_tp
-    w_roll = pc.total * wb / rtp / layout.rollout_ep if layout.rollout_ep > 1 else pc.total * wb / rtp
-    rollout = [MemoryLine("weights per TP rank (bf16)", w_roll / GIB)]
+    # rollout: vLLM. Without EP every weight is split over TP; with EP (vLLM: EP = TP*DP) the routed
+    # experts are split over the EP ranks and the rest over TP.
+    rtp, rep = layout.rollout_tp, layout.rollout_ep
+    if rep > 1:
+        w_roll = (pc.total - pc.routed_experts) * wb / rtp + pc.routed_experts * wb / rep
+    else:
+        w_roll = pc.total * wb / rtp
+    rollout = [MemoryLine("weights per rank (bf16)", w_roll / GIB)]
     adapter_elems = 0
     if lora is not None and not layout.lora_merge:
-        # vLLM holds expert adapters per expert ([max_loras, E, r, ...]); Megatron-Bridge exports a
-        # shared expert adapter replicated under every expert name (upstream_code.md section 2), so
-        # both the refit payload and the vLLM slot have the per-expert size.
+        # Megatron-Bridge exports a shared expert adapter replicated under every expert name (vLLM
+        # loads expert adapters per expert), so the refit payload has the per-expert size.
         one_expert = lora.routed_per_layer // (num_experts(cfg) if layout.expert_mode == "per_expert" else 1)
-        adapter_elems = (lora.total - lora.routed_experts
-                         + len(moe_layer_indices(cfg)) * num_experts(cfg) * one_expert)
-        # vLLM sizes the slot at max_lora_rank (rank rounded up to an allowed value). Without
-        # fully_sharded_loras, the fused-MoE LoRA keeps fc1's A [r, H] and fc2's B [H, r]
-        # replicated on every TP rank (only the intermediate side is split), and about half of
-        # each attention pair is replicated; with it, everything is split over TP.
-        # (a rank above vLLM's maximum is reported by the launcher's lora.vllm_max_lora_rank check)
+        n_moe = len(moe_layer_indices(cfg))
+        adapter_elems = lora.total - lora.routed_experts + n_moe * num_experts(cfg) * one_expert
+        # vLLM sizes the slot at max_lora_rank (rank rounded up to an allowed value), max_loras=1 (verl).
+        # (a rank above vLLM's maximum is reported by the constraint layer's vllm.max_lora_rank rule)
         slot_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= layout.lora_rank), layout.lora_rank)
-        expert_elems = len(moe_layer_indices(cfg)) * num_experts(cfg) * one_expert
-        other_elems = adapter_elems - expert_elems
-        if layout.fully_sharded_loras:
-            per_rank = adapter_elems / rtp
-        else:
-            hh, ii = cfg["hidden_size"], cfg["moe_intermediate_size"]
-            rep = 2 * hh / (2 * hh + 3 * ii)
-            per_rank = other_elems * (0.5 + 0.5 / rtp) + expert_elems * (rep + (1 - rep) / rtp)
-        slot = per_rank * slot_rank / layout.lora_rank * wb
-        rollout.append(MemoryLine("LoRA slot (per-expert layout, bf16)", slot / GIB,
-                                  f"max_lora_rank={slot_rank}"))
+        expert_slot = n_moe * vllm_moe_lora_elems_per_rank(cfg, slot_rank, rtp, rep, layout.fully_sharded_loras)
+        # attention/dense/shared-expert adapters: with fully_sharded_loras everything is split over TP;
+        # without, about half of each A/B pair is replicated on every TP rank
+        other_elems = (adapter_elems - n_moe * num_experts(cfg) * one_expert) * slot_rank / layout.lora_rank
+        other = other_elems / rtp if layout.fully_sharded_loras else other_elems * (0.5 + 0.5 / rtp)
+        rollout.append(MemoryLine("LoRA slot, routed experts (vLLM fused-MoE shapes, bf16)", expert_slot * wb / GIB,
+                                  f"max_lora_rank={slot_rank}, {num_experts(cfg) // max(rep, 1)} local experts"))
+        rollout.append(MemoryLine("LoRA slot, attention/dense/shared (bf16)", other * wb / GIB))
     budget = layout.gpu_mem_gib * layout.gpu_memory_utilization
     # Colocated (hybrid engine): what the trainer keeps on the GPU while vLLM runs.
     params_grads = sum(x.gib for x in trainer[:3] if not x.name.startswith("optimizer"))
     optim_gib = sum(x.gib for x in trainer if x.name.startswith("optimizer"))
     resident = (0.0 if layout.param_offload else params_grads) + (0.0 if layout.optimizer_offload else optim_gib)
+    # what offload puts in host RAM, per node (every GPU of the node offloads its own shard)
+    host = ((params_grads if layout.param_offload else 0.0) + (optim_gib if layout.optimizer_offload else 0.0)
+            ) * layout.gpus_per_node
     rollout.append(MemoryLine("activation/graph workspace (allowance)", 2.0))
     kv_gib = budget - sum(x.gib for x in rollout)
     rollout.append(MemoryLine("KV cache (what is left of gpu_memory_utilization)", max(kv_gib, 0.0),
@@ -445,6 +467,9 @@ def plan(cfg: dict, layout: Layout) -> Plan:
                         f"{layout.param_offload}, optimizer_offload={layout.optimizer_offload}) plus vLLM's "
                         f"{budget:.1f} GiB exceeds {layout.gpu_mem_gib:.0f} GiB "
                         f"(over by {resident + budget - layout.gpu_mem_gib:.1f} GiB)")
+    if layout.host_mem_gib is not None and host > layout.host_mem_gib:
+        problems.append(f"offloaded params/grads/optimizer need {host:.0f} GiB host RAM per node, the node has "
+                        f"{layout.host_mem_gib:.0f} GiB (over by {host - layout.host_mem_gib:.0f} GiB)")
     trainer_total = sum(x.gib for x in trainer)
     if trainer_total > layout.gpu_mem_gib:
         problems.append(f"trainer needs {trainer_total:.1f} GiB per GPU but the GPU has {layout.gpu_mem_gib:.0f} GiB "
@@ -463,4 +488,5 @@ def plan(cfg: dict, layout: Layout) -> Plan:
                 refit_merged_bytes=merged_bytes, refit_merged_per_rollout_rank_bytes=merged_bytes // rtp,
                 trace_tokens_per_step=tokens_step, trace_packed_bytes=packed, trace_int16_bytes=int16,
                 trace_bits_per_token=bits, rollout_kv_tokens=kv_tokens,
-                trainer_resident_during_rollout_gib=resident, problems=problems)
+                trainer_resident_during_rollout_gib=resident, host_offload_gib_per_node=host,
+                problems=problems)

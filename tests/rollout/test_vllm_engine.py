@@ -46,8 +46,8 @@ def test_engine_kwargs_tp_only_and_r3():
     kw = V.engine_kwargs("/m", cfg, lora_rank=24, tensor_parallel_size=4)
     assert kw["max_lora_rank"] == 32 and kw["enable_lora"] and kw["enable_return_routed_experts"]
     assert kw["tensor_parallel_size"] == 4 and kw["enable_expert_parallel"] is False and kw["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="expert parallelism"):
-        V.engine_kwargs("/m", cfg, 8, expert_parallel=True)
+    ep = V.engine_kwargs("/m", cfg, 8, tensor_parallel_size=4, expert_parallel=True)
+    assert ep["enable_expert_parallel"] is True and "fully_sharded_loras" not in ep
     assert "enable_return_routed_experts" not in V.engine_kwargs("/m", RolloutConfig(capture_routing=False), 8)
     s = V.sampling_kwargs(RolloutConfig(top_k=0, temperature=0.7, max_new_tokens=5), group_size=4)
     assert s["n"] == 4 and s["top_k"] == -1 and s["logprobs"] == 0 and s["max_tokens"] == 5

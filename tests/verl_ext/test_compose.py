@@ -8,8 +8,8 @@ from moerl.verl_ext.compose import (ExperimentError, compose_experiment, flatten
                                     load_experiment, select)
 
 EXP = Path(__file__).resolve().parents[2] / "experiments"
-KIMI_TARGETS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
-                "linear_proj", "linear_fc1", "linear_fc2"]
+KIMI_TARGETS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj", "linear_fc1",
+                "linear_fc2"]
 
 
 def composed(name, arm=None):
@@ -27,7 +27,11 @@ def test_kimi_without_and_with_r3():
         assert lora(c).share_expert_adapters is True and lora(c).merge is False
         assert select(c, "trainer.nnodes") * select(c, "trainer.n_gpus_per_node") == 64
         assert select(c, "actor_rollout_ref.rollout.name") == "vllm"
-        assert select(c, "actor_rollout_ref.rollout.expert_parallel_size") == 1
+        assert select(c, "actor_rollout_ref.rollout.expert_parallel_size") == 64
+        assert select(c, "actor_rollout_ref.rollout.data_parallel_size") == 1
+        assert "fully_sharded_loras" not in lora(c)
+        assert select(c, "actor_rollout_ref.actor.megatron.override_transformer_config"
+                      ".num_layers_in_last_pipeline_stage") == 5
         assert select(c, "actor_rollout_ref.actor.megatron.use_mbridge") is True
         assert select(c, "algorithm.adv_estimator") == "grpo"
         assert "wandb" in select(c, "trainer.logger")
@@ -41,7 +45,7 @@ ARMS = {  # arm: (router replay mode, rollout flag, rollout_is, rollout_rs)
     "baseline": ("disabled", False, None, None),
     "tis": ("disabled", False, "token", None),
     "mis": ("disabled", False, "sequence", "seq_sum_k1"),
-    "icepop": ("disabled", False, "token", "token_k1"),
+    "icepop": ("disabled", False, "token", None),
     "r2": ("R2", False, None, None),
     "r3": ("R3", True, None, None),
     "r3_tis": ("R3", True, "token", None),
@@ -59,8 +63,8 @@ def test_qwen_arms(arm):
     assert lora(c).rank == 32 and list(lora(c).target_modules) == ["linear_qkv", "linear_proj", "linear_fc1",
                                                                     "linear_fc2"]
     assert select(c, "trainer.n_gpus_per_node") == 8 and select(c, "trainer.nnodes") == 1
-    if arm == "icepop":
-        assert rc.rollout_rs_threshold == "0.5_5.0"
+    if arm == "icepop":  # verl's decoupled_token_icepop preset
+        assert rc.rollout_is_threshold == "0.5_5.0"
 
 
 def test_moonlight_r3():

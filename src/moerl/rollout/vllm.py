@@ -1,7 +1,9 @@
 """vLLM rollout engine (GPU): the same interface as moerl.rollout.hf.HFEngine.
 
 ``vllm.LLM`` with LoRA enabled (``max_lora_rank`` rounded up to a value vLLM accepts), tensor
-parallel only (vLLM's fused-MoE LoRA asserts ``not use_ep``), ``enable_return_routed_experts`` for
+tensor parallel, optionally expert parallel (vLLM 0.24's fused-MoE LoRA allows EP with its default
+all2all backend, without fully-sharded LoRA, and one engine has no data parallel, so no MoE sequence
+parallel: ``FusedMoEWithLoRA._ep_check``/``_verify_ep_fs``), ``enable_return_routed_experts`` for
 R3, adapter refit through a tmpfs adapter directory (stock vLLM loads adapters only from a path) and
 ``reset_prefix_cache()`` after every refit: routes are read back by KV slot, so a cached prefix
 would otherwise return the routes of the previous weights.
@@ -41,14 +43,12 @@ def vllm_max_lora_rank(rank: int) -> int:
 def engine_kwargs(model_path: str, cfg: RolloutConfig, lora_rank: int, tensor_parallel_size: int = 1,
                   expert_parallel: bool = False, capture_routing: bool | None = None,
                   gpu_memory_utilization: float = 0.5, max_model_len: int | None = None, seed: int = 0) -> dict:
-    """Arguments for ``vllm.LLM``; refuses expert parallelism with MoE LoRA."""
-    if expert_parallel:
-        raise ValueError("rollout: vLLM's fused-MoE LoRA does not support expert parallelism "
-                         "(FusedMoEWithLoRA asserts not use_ep); use tensor parallelism only, or merged refit")
+    """Arguments for ``vllm.LLM``. Expert parallel is allowed with MoE LoRA because these arguments
+    never set ``fully_sharded_loras`` or data parallel (vLLM's two exclusions)."""
     if tensor_parallel_size < 1:
         raise ValueError(f"rollout: tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     kw = dict(model=model_path, dtype=_DTYPES[cfg.dtype], tensor_parallel_size=tensor_parallel_size,
-              enable_expert_parallel=False, enable_lora=True, max_loras=1,
+              enable_expert_parallel=bool(expert_parallel), enable_lora=True, max_loras=1,
               max_lora_rank=vllm_max_lora_rank(lora_rank), enable_prefix_caching=True,
               gpu_memory_utilization=gpu_memory_utilization, seed=seed)
     if capture_routing if capture_routing is not None else cfg.capture_routing:

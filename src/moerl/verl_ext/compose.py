@@ -121,6 +121,8 @@ class Experiment:
 
     @property
     def name(self) -> str:
+        if self.arm is None and self.files and self.files[-1].name != "experiment.yaml":
+            return self.files[-1].stem  # a single experiment file
         return self.directory.name + (f"/{self.arm}" if self.arm else "")
 
 
@@ -129,8 +131,13 @@ def experiment_arms(directory: Path) -> list[str]:
 
 
 def load_experiment(directory: str | Path, arm: str | None = None) -> Experiment:
-    """Read an experiment directory (and arm) into verl overrides plus moerl metadata."""
+    """Read an experiment directory (and arm), or one experiment YAML file, into verl overrides
+    plus moerl metadata."""
     directory = Path(directory).resolve()
+    if directory.suffix in (".yaml", ".yml") and directory.is_file():
+        if arm is not None:
+            raise ExperimentError(f"{directory}: --arm applies to experiment directories, not to a single file")
+        return _experiment_from(directory.parent, None, directory)
     if not directory.is_dir():
         raise ExperimentError(f"experiment directory not found: {directory}")
     arms = experiment_arms(directory)
@@ -144,6 +151,10 @@ def load_experiment(directory: str | Path, arm: str | None = None) -> Experiment
         if arm is not None:
             raise ExperimentError(f"{directory.name} has no arms/ folder; --arm {arm} does not apply")
         entry = directory / "experiment.yaml"
+    return _experiment_from(directory, arm, entry)
+
+
+def _experiment_from(directory: Path, arm: str | None, entry: Path) -> Experiment:
     data, files = read_yaml_chain(entry)
     origin: dict[str, Path] = {}
     for f in files:  # which file last set each key, for error messages
@@ -206,11 +217,13 @@ def select(cfg, key: str, default=None):
 
 
 def env_for(cfg) -> dict[str, str]:
-    """Environment the run needs: moerl's verl policy losses when a ``moerl_*`` loss is chosen
-    (verl imports VERL_USE_EXTERNAL_MODULES in every process that imports verl, Ray workers too)."""
-    env = {}
+    """Environment of the driver process: the variables the config sends to Ray workers
+    (``ray_kwargs.ray_init.runtime_env.env_vars``; workers see *only* those, not the driver's
+    environment), so the driver imports the same plug-ins (verl imports VERL_USE_EXTERNAL_MODULES in
+    every process that imports verl)."""
+    env = {str(k): str(v) for k, v in (select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}).items()}
     if str(select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "")).startswith("moerl_"):
-        mods = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+        mods = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
         if "moerl.verl_ext.losses" not in mods:
             mods.append("moerl.verl_ext.losses")
         env["VERL_USE_EXTERNAL_MODULES"] = ",".join(mods)

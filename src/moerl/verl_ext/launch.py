@@ -1,9 +1,10 @@
 """Launch a scale experiment: compose against verl's config, validate, print, run main_ppo.
 
-    python -m moerl.verl_ext.launch experiments/02_kimi_k2_lora_grpo_r3 [--arm X] [--dry-run]
+    python -m moerl.verl_ext.launch experiments/02_kimi_k2_lora_grpo_r3 [--arm X] [--seed N] [--dry-run] [k=v ...]
 
 Every check here exists because the mistake it catches costs a multi-node job: it names the
-constraint that broke. The run itself is ``python -m verl.trainer.main_ppo`` with the composed
+constraint that broke. The upstream rules (Megatron-Core, vLLM, verl, LoRA targets) live in
+``moerl.verl_ext.constraints``; this module adds moerl's own and the capacity plan. The run itself is ``python -m verl.trainer.main_ppo`` with the composed
 overrides; verl starts Ray itself, or joins the cluster in ``RAY_ADDRESS`` (multi-node, see
 scripts/slurm_verl.sbatch).
 """
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl import planner
+from moerl.config import LossConfig, from_dict
+from moerl.verl_ext import constraints, losses
 from moerl.verl_ext.compose import (VERL_CONFIG_NAME, Experiment, ExperimentError, compose_experiment,
                                     env_for, load_experiment, select)
 
-# The first vLLM whose routed-experts capture verl accepts (vllm_async_server.py fails below it).
-R3_MIN_VLLM = (0, 22, 0)
+R3_MIN_VLLM = constraints.R3_MIN_VLLM
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -54,6 +56,15 @@ def pinned_version(package: str, requirements: Path = REPO / "requirements-gpu.t
     return None
 
 
+def _installed_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def vllm_version_for_run() -> tuple[str, str]:
     """(version, where it came from): the installed vLLM if any, else the requirements-gpu pin."""
     try:
@@ -75,6 +86,8 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
     return planner.Layout(
         n_gpus=int(select(cfg, "trainer.nnodes")) * int(select(cfg, "trainer.n_gpus_per_node")),
         gpu_mem_gib=float(moerl.get("gpu_mem_gib", 80)),
+        gpus_per_node=int(select(cfg, "trainer.n_gpus_per_node")),
+        host_mem_gib=float(moerl["host_mem_gib"]) if moerl.get("host_mem_gib") else None,
         tp=int(select(cfg, a + "tensor_model_parallel_size")),
         pp=int(select(cfg, a + "pipeline_model_parallel_size")),
         ep=int(select(cfg, a + "expert_model_parallel_size")),
@@ -101,62 +114,25 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
 
 
 def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
-    """All moerl constraints on a composed config; returns the checks and the capacity plan."""
+    """Every constraint on a composed config: the upstream rules of ``constraints`` (Megatron-Core,
+    vLLM, verl, LoRA targets) plus moerl's own (R3/R2 flags, replay layer mapping, losses, the
+    capacity plan). Returns the checks and the capacity plan."""
     moerl = exp.moerl
     if "model" not in moerl:
         raise ExperimentError(f"{exp.files[-1]}: moerl.model is required (a public config name, "
                               f"e.g. kimi_k2)")
     mcfg = planner.load_public_config(moerl["model"])
     lay = layout_from_cfg(cfg, moerl)
-    checks: list[Check] = []
+    p = planner.plan(mcfg, lay)
+    ver, src = vllm_version_for_run()
+    spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver)
+    checks = [Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec)]
 
     def check(name, ok, detail):
         checks.append(Check(name, bool(ok), detail))
 
-    heads, layers = mcfg["num_attention_heads"], mcfg["num_hidden_layers"]
-    experts = planner.num_experts(mcfg)
-    n = lay.n_gpus
     check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
           f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
-    check("layout.dense_divides_gpus", n % (lay.tp * lay.pp * lay.cp) == 0,
-          f"TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp} must divide {n} GPUs")
-    check("layout.expert_divides_gpus", n % (lay.ep * lay.etp * lay.pp) == 0,
-          f"EP*ETP*PP = {lay.ep}*{lay.etp}*{lay.pp} must divide {n} GPUs")
-    check("layout.tp_divides_heads", heads % lay.tp == 0, f"TP={lay.tp} must divide {heads} attention heads")
-    if mcfg["family"] == "qwen3_moe":
-        kv = mcfg["num_key_value_heads"]
-        check("layout.tp_divides_kv_heads", kv % lay.tp == 0 or lay.tp % kv == 0,
-              f"TP={lay.tp} and the {kv} KV heads must divide one another")
-    check("layout.ep_divides_experts", experts % lay.ep == 0, f"EP={lay.ep} must divide {experts} experts")
-    check("layout.pp_le_layers", lay.pp <= layers, f"PP={lay.pp} must not exceed {layers} layers")
-    check("rollout.tp_divides_heads", heads % lay.rollout_tp == 0,
-          f"rollout TP={lay.rollout_tp} must divide {heads} attention heads")
-    check("rollout.tp_divides_gpus", n % lay.rollout_tp == 0, f"rollout TP={lay.rollout_tp} must divide {n} GPUs")
-
-    # LoRA (Megatron-Bridge trainer side, vLLM rollout side)
-    lora = select(cfg, "actor_rollout_ref.model.lora") or {}
-    rank = int(lora.get("rank", 0) or 0)
-    if rank > 0:
-        check("lora.mbridge", select(cfg, "actor_rollout_ref.actor.megatron.use_mbridge") is True
-              and select(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge") is False,
-              "Megatron LoRA needs actor.megatron.use_mbridge=True and vanilla_mbridge=False")
-        names = planner.lora_target_names(mcfg)
-        targets = list(lora.get("target_modules") or [])
-        unmatched = [t for t in targets if t not in names]
-        check("lora.targets_match_model", targets and not unmatched,
-              f"target_modules {targets} must each name a module of {mcfg['name']} "
-              f"({sorted(names)}); unmatched: {unmatched or 'none'}")
-        check("lora.targets_experts", "linear_fc1" in targets and "linear_fc2" in targets,
-              "expert LoRA needs linear_fc1 and linear_fc2 in target_modules")
-        try:
-            slot = planner.vllm_max_lora_rank(rank)
-            check("lora.vllm_max_lora_rank", True, f"rank {rank} -> vLLM max_lora_rank {slot}")
-        except planner.PlanError as err:
-            check("lora.vllm_max_lora_rank", False, str(err))
-        if not lora.get("merge", False):
-            check("lora.vllm_moe_lora_no_ep", lay.rollout_ep == 1,
-                  f"vLLM's fused-MoE LoRA has no expert parallel: rollout.expert_parallel_size must be 1, "
-                  f"got {lay.rollout_ep}")
 
     # Router replay
     mode = str(select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode"))
@@ -165,9 +141,6 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
         check("r3.flags", mode == "R3" and flag,
               f"R3 needs actor.megatron.router_replay.mode=R3 AND rollout.enable_rollout_routing_replay=True "
               f"(got mode={mode}, flag={flag})")
-        ver, src = vllm_version_for_run()
-        check("r3.vllm_version", _v(ver) >= R3_MIN_VLLM,
-              f"R3 needs vLLM >= {'.'.join(map(str, R3_MIN_VLLM))} (vLLM {ver}, {src})")
         check("r3.rollout_name", select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang"),
               "R3 needs a vllm or sglang rollout")
     if mode in ("R2", "R3"):
@@ -195,17 +168,20 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
               "algorithm.rollout_correction needs actor_rollout_ref.rollout.calculate_log_probs=True")
     loss_mode = str(select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode"))
     if loss_mode.startswith("moerl_"):
-        found = importlib.util.find_spec("moerl.verl_ext.losses") is not None
-        check("loss.moerl_registered", found,
-              f"loss_mode={loss_mode} is registered by moerl.verl_ext.losses (imported through "
-              f"VERL_USE_EXTERNAL_MODULES); module {'found' if found else 'missing'}")
+        env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+        mods = str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "")).split(",")
+        check("loss.moerl_reaches_workers", "moerl.verl_ext.losses" in mods and losses.ENV_CONFIG in env_vars,
+              f"loss_mode={loss_mode}: Ray workers only see ray_kwargs.ray_init.runtime_env.env_vars, which must "
+              f"carry VERL_USE_EXTERNAL_MODULES=moerl.verl_ext.losses and {losses.ENV_CONFIG} (got "
+              f"{sorted(env_vars)}); fix: declare the loss as moerl.loss in the experiment so the launcher "
+              f"applies moerl.verl_ext.losses.verl_overrides (source: verl 0.9.1: verl/__init__.py imports "
+              f"VERL_USE_EXTERNAL_MODULES; verl/trainer/main_ppo.py passes ray_init.runtime_env to ray.init)")
     check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
           f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
     check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
           "GRPO needs rollout.n > 1 samples per prompt")
 
     # capacity
-    p = planner.plan(mcfg, lay)
     check("memory.fits", not p.problems, "; ".join(p.problems) or
           f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {lay.gpu_mem_gib:.0f} GiB")
     return checks, p
@@ -240,7 +216,7 @@ def verl_validate(cfg) -> Check:
 
     shim_name = "verl.workers.rollout.vllm_rollout.utils"
     shim = None
-    if importlib.util.find_spec("vllm") is None and shim_name not in sys.modules:
+    if _installed_version("vllm") is None and shim_name not in sys.modules:  # verl asks the same way
         shim = types.ModuleType(shim_name)
         shim.get_vllm_max_lora_rank = planner.vllm_max_lora_rank
         sys.modules[shim_name] = shim
@@ -268,9 +244,37 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
     return (prefix + " \\\n  " if prefix else "") + body
 
 
-def prepare(directory: str | Path, arm: str | None = None):
-    """Compose + validate; raise ConstraintError listing every failed constraint."""
+SEED_KEYS = ("actor_rollout_ref.actor.megatron.seed", "actor_rollout_ref.actor.data_loader_seed",
+             "actor_rollout_ref.rollout.seed", "data.seed")
+RUNTIME_ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
+    """What the launcher adds to the experiment's own overrides: the moerl loss (``moerl.loss``,
+    through ``losses.verl_overrides``, so its env reaches Ray workers and verl's clip keys match),
+    the wandb group and tags of the experiment/arm (wandb reads WANDB_RUN_GROUP/WANDB_TAGS in the
+    Ray actor that logs, so they travel in the runtime_env), and the seed."""
+    out = []
+    loss = exp.moerl.get("loss")
+    if loss is not None:
+        if not isinstance(loss, dict):
+            raise ExperimentError(f"{exp.files[-1]}: moerl.loss must be a mapping of LossConfig fields")
+        out += losses.verl_overrides(from_dict(LossConfig, loss, where=f"{exp.files[-1]}: moerl.loss"))
+    group = exp.name.split("/")[0]
+    tags = [group] + ([exp.arm] if exp.arm else []) + ([f"seed{seed}"] if seed is not None else [])
+    out += [f"{RUNTIME_ENV}.WANDB_RUN_GROUP={group}",
+            f"{RUNTIME_ENV}.WANDB_TAGS='{','.join(tags)}'"]
+    if seed is not None:
+        out += [f"{k}={int(seed)}" for k in SEED_KEYS]
+    return out
+
+
+def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None):
+    """Compose + validate; raise ConstraintError listing every failed constraint.
+
+    ``extra`` are Hydra overrides from the command line (applied last, so they win)."""
     exp = load_experiment(directory, arm)
+    exp.overrides = exp.overrides + launch_overrides(exp, seed) + list(extra)
     cfg = compose_experiment(exp)
     checks, p = validate(cfg, exp)
     checks.append(verl_validate(cfg))
@@ -281,15 +285,38 @@ def prepare(directory: str | Path, arm: str | None = None):
     return exp, cfg, checks, p
 
 
+def gpu_hours(exp: Experiment, cfg) -> str:
+    """GPU-hours of the full run from ``moerl.est_step_minutes`` (an assumption the experiment states,
+    not a measurement): GPUs x total_training_steps x minutes/step / 60."""
+    minutes = exp.moerl.get("est_step_minutes")
+    steps = select(cfg, "trainer.total_training_steps")
+    n = int(select(cfg, "trainer.nnodes")) * int(select(cfg, "trainer.n_gpus_per_node"))
+    if not steps:
+        return "GPU-hours: trainer.total_training_steps unset"
+    per_minute = n * int(steps) / 60
+    if not minutes:
+        return (f"GPU-hours = {n} GPUs x {steps} steps x (minutes/step) / 60 = {per_minute:,.0f} per minute of step "
+                f"time (set moerl.est_step_minutes for a total)")
+    return (f"GPU-hours ~ {n * int(steps) * float(minutes) / 60:,.0f} ({n} GPUs x {steps} steps x "
+            f"{minutes} min/step assumed by moerl.est_step_minutes / 60; not measured)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", help="experiment directory, e.g. experiments/02_kimi_k2_lora_grpo_r3")
+    ap.add_argument("experiment", help="experiment directory (or one experiment YAML file), "
+                    "e.g. experiments/02_kimi_k2_lora_grpo_r3")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides applied last, e.g. trainer.total_training_steps=10")
     ap.add_argument("--arm", help="arm name for experiments with an arms/ folder")
+    ap.add_argument("--seed", type=int, help=f"seed for {', '.join(SEED_KEYS)}")
     ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
     ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        print(f"error: overrides must be key=value, got {bad}", file=sys.stderr)
+        return 2
     try:
-        exp, cfg, checks, p = prepare(args.experiment, args.arm)
+        exp, cfg, checks, p = prepare(args.experiment, args.arm, args.overrides, args.seed)
     except (ExperimentError, ConstraintError, planner.PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -297,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok  [{c.name}] {c.detail}")
     print(f"plan: trainer {p.trainer_gib:.1f} GiB/GPU, rollout {p.rollout_gib:.1f} GiB/GPU "
           f"(python scripts/plan.py {exp.directory.name}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
+    print(gpu_hours(exp, cfg))
     env = env_for(cfg)
     cmd = build_command(exp, args.python)
     ray = os.environ.get("RAY_ADDRESS")

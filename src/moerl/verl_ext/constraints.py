@@ -1,0 +1,588 @@
+"""Upstream runtime constraints a scale launch must satisfy, checked before a job is queued.
+
+Why: a 64-GPU job that dies in its first minute on an upstream assert, or trains for a day with an
+adapter the rollout engine never applies, is the most expensive failure of this repo. Each rule
+below is one constraint that an upstream library enforces (or silently gets wrong) at run time;
+each names the upstream file and version it comes from and, when it fails, the config key, the
+values, the rule and the fix.
+
+Where upstream's own code runs on a CPU it is *called*, not re-encoded:
+- Megatron-Core (installed here: 0.16.1, the newest wheel for Python 3.11; the cluster pins 0.19.2,
+  cp312-only): ``TransformerConfig`` / ``MLATransformerConfig.__post_init__`` (TP vs heads and query
+  groups, EP needs experts, MoE bias needs ETP 1, uneven-PP and ``pipeline_model_parallel_layout``
+  validation, VPP) and ``transformer_block.get_num_layers_to_build`` (the per-stage layer
+  distribution assert) for every pipeline rank. The rules these two functions apply were read in
+  0.19.2's wheel too and are unchanged for the settings used here.
+- verl 0.9.1: ``RolloutConfig`` and ``McoreActorConfig`` dataclasses (rollout EP = TP*DP, batch
+  sizes), and ``validate_config`` (run by the launcher).
+vLLM 0.24.0's rules are encoded (its GPU build is what runs on the cluster; vLLM's own classes are
+exercised by tests when the optional CPU vLLM environment exists): each cites its file.
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from moerl import planner
+
+MCORE_RAN = "megatron-core 0.16.1 (installed; cluster pins 0.19.2)"
+VLLM = "vllm 0.24.0"
+VERL = "verl 0.9.1"
+BRIDGE = "megatron-bridge 0.6.2"
+# The first vLLM whose routed-experts capture verl accepts (vllm_async_server.py refuses older).
+R3_MIN_VLLM = (0, 22, 0)
+
+
+@dataclass
+class Finding:
+    """One rule's verdict. ``detail`` says what was checked (ok) or key, values, rule and fix (not ok)."""
+
+    rule: str
+    ok: bool
+    detail: str
+    source: str
+
+    def line(self) -> str:
+        return f"[{self.rule}] {self.detail} (source: {self.source})"
+
+
+@dataclass
+class LaunchSpec:
+    """What the rules read: the model's public config and the parallel/rollout/batch settings.
+
+    Built from a composed verl config (``from_verl``) or from a Megatron-only recipe (the
+    Megatron-Bridge / miles fixtures, which have no verl rollout: ``rollout=None``)."""
+
+    model: dict
+    n_gpus: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    pipeline_layout: str | list | None = None
+    mtp_layers: int | None = None     # multi-token-prediction layers Megatron builds (layouts place them)
+    rollout: dict | None = None       # verl rollout keys (tp, dp, ep, pp, max_model_len, ...)
+    lora: dict = field(default_factory=dict)
+    verl: dict = field(default_factory=dict)  # batch sizes, epochs, replay mode, bridge flags
+    plan: Any = None                  # planner.Plan, for the KV-capacity rule
+
+    @property
+    def etp_eff(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+
+RULES: list[tuple[str, str, Callable[[LaunchSpec], list[Finding]]]] = []
+
+
+def rule(name: str, source: str):
+    """Register a rule: ``fn(spec)`` returns None (does not apply), True/str (ok), or raises
+    ``Broken(detail)``."""
+    def wrap(fn):
+        RULES.append((name, source, fn))
+        return fn
+    return wrap
+
+
+class Broken(Exception):
+    """A rule that does not hold; the message has key, values, rule and fix."""
+
+
+def check_all(spec: LaunchSpec, only: tuple[str, ...] = ()) -> list[Finding]:
+    """Every applicable rule on ``spec`` (rules whose name starts with one of ``only``, if given)."""
+    out = []
+    for name, source, fn in RULES:
+        if only and not name.startswith(only):
+            continue
+        try:
+            res = fn(spec)
+        except Broken as err:
+            out.append(Finding(name, False, str(err), source))
+            continue
+        if res is None:
+            continue
+        out.append(Finding(name, True, res if isinstance(res, str) else "holds", source))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core: its own config validation and layer distribution, called
+# ---------------------------------------------------------------------------------------------
+
+def megatron_config(spec: LaunchSpec):
+    """Megatron-Core's TransformerConfig for this model and layout (raises what Megatron raises)."""
+    import torch
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    m = spec.model
+    common = dict(
+        num_layers=m["num_hidden_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_moe_experts=planner.num_experts(m),
+        moe_ffn_hidden_size=m["moe_intermediate_size"], moe_router_topk=m["num_experts_per_tok"],
+        moe_layer_freq=planner.megatron_moe_layer_freq(m), add_bias_linear=False,
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp, expert_model_parallel_size=spec.ep,
+        expert_tensor_parallel_size=spec.etp, context_parallel_size=spec.cp,
+        sequence_parallel=spec.sequence_parallel,
+        num_layers_in_first_pipeline_stage=spec.first_stage_layers,
+        num_layers_in_last_pipeline_stage=spec.last_stage_layers,
+        pipeline_model_parallel_layout=spec.pipeline_layout, mtp_num_layers=spec.mtp_layers,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if m["family"] == "deepseek_v3":
+            return MLATransformerConfig(
+                ffn_hidden_size=m["intermediate_size"], q_lora_rank=m["q_lora_rank"],
+                kv_lora_rank=m["kv_lora_rank"], qk_head_dim=m["qk_nope_head_dim"],
+                qk_pos_emb_head_dim=m["qk_rope_head_dim"], v_head_dim=m["v_head_dim"], **common)
+        return TransformerConfig(ffn_hidden_size=m.get("intermediate_size") or m["moe_intermediate_size"],
+                                 num_query_groups=m["num_key_value_heads"], kv_channels=m["head_dim"], **common)
+
+
+def _layout_values(spec: LaunchSpec) -> str:
+    return (f"TP={spec.tp} PP={spec.pp} VPP={spec.vpp} EP={spec.ep} ETP={spec.etp} CP={spec.cp} SP="
+            f"{spec.sequence_parallel}, first/last stage layers={spec.first_stage_layers}/"
+            f"{spec.last_stage_layers}, layout={spec.pipeline_layout!r}; model "
+            f"{spec.model.get('name')}: {spec.model['num_hidden_layers']} layers, "
+            f"{spec.model['num_attention_heads']} heads, {planner.num_experts(spec.model)} experts")
+
+
+_MEGATRON_FIX = ("fix: actor_rollout_ref.actor.megatron.{tensor,pipeline,expert}_model_parallel_size / "
+                 "+override_transformer_config.num_layers_in_{first,last}_pipeline_stage")
+
+
+@rule("megatron.transformer_config", f"{MCORE_RAN}: megatron/core/transformer/transformer_config.py "
+      "TransformerConfig.__post_init__ (run)")
+def _megatron_config(spec):
+    try:
+        megatron_config(spec)
+    except (ValueError, AssertionError, TypeError) as err:
+        raise Broken(f"Megatron-Core rejects the layout ({_layout_values(spec)}): {type(err).__name__}: "
+                     f"{err}; {_MEGATRON_FIX}") from None
+    return "Megatron-Core's TransformerConfig accepts the layout"
+
+
+@rule("megatron.layer_distribution", f"{MCORE_RAN}: megatron/core/transformer/transformer_block.py "
+      "get_num_layers_to_build (run for every PP rank and VPP stage)")
+def _megatron_layers(spec):
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    try:
+        cfg = megatron_config(spec)
+    except (ValueError, AssertionError, TypeError):
+        return None  # reported by megatron.transformer_config
+    if cfg.pipeline_model_parallel_layout is not None:
+        return "pipeline_model_parallel_layout validated by TransformerConfig"
+    stages = []
+    try:
+        for r in range(spec.pp):
+            vps = range(cfg.virtual_pipeline_model_parallel_size or 1)
+            stages.append(sum(get_num_layers_to_build(cfg, vp_stage=v if cfg.virtual_pipeline_model_parallel_size
+                                                      else None, pp_rank=r) for v in vps))
+    except AssertionError as err:
+        layers = spec.model["num_hidden_layers"]
+        hint = (f" e.g. PP={spec.pp} with num_layers_in_last_pipeline_stage="
+                f"{layers - (spec.pp - 1) * math.ceil(layers / spec.pp)}"
+                if layers % spec.pp and layers - (spec.pp - 1) * math.ceil(layers / spec.pp) > 0 else "")
+        raise Broken(f"Megatron-Core cannot split {layers} layers over PP={spec.pp} (first/last stage "
+                     f"layers {spec.first_stage_layers}/{spec.last_stage_layers}): AssertionError: {err}; "
+                     f"{_MEGATRON_FIX}{hint}") from None
+    if sum(stages) != spec.model["num_hidden_layers"]:
+        raise Broken(f"PP stages build {stages} = {sum(stages)} layers, model has "
+                     f"{spec.model['num_hidden_layers']}; {_MEGATRON_FIX}")
+    return f"layers per PP stage {stages}"
+
+
+@rule("megatron.world_size", "megatron-core: megatron/core/parallel_state.py initialize_model_parallel "
+      "(world size must divide by TP*PP*CP and by ETP*EP*PP)")
+def _megatron_world(spec):
+    dense, expert = spec.tp * spec.pp * spec.cp, spec.etp_eff * spec.ep * spec.pp
+    if spec.n_gpus % dense or spec.n_gpus % expert:
+        raise Broken(f"trainer.nnodes*n_gpus_per_node={spec.n_gpus} must divide by TP*PP*CP={dense} and by "
+                     f"ETP*EP*PP={expert}; fix: change the GPU count or the Megatron layout")
+    return f"{spec.n_gpus} GPUs = DP {spec.n_gpus // dense} x TP*PP*CP {dense}; expert DP {spec.n_gpus // expert}"
+
+
+@rule("megatron.ep_divides_experts", "megatron-core: megatron/core/transformer/moe/moe_layer.py "
+      "(num_moe_experts % expert_model_parallel_size == 0)")
+def _megatron_ep(spec):
+    e = planner.num_experts(spec.model)
+    if e % spec.ep:
+        raise Broken(f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={spec.ep} must divide the "
+                     f"{e} experts; fix: pick an EP that divides {e}")
+    return f"EP={spec.ep} holds {e // spec.ep} experts per rank"
+
+
+@rule("megatron.moe_tp_needs_sp", "megatron-core: megatron/core/transformer/moe/moe_layer.py MoELayer.forward "
+      "(raises in training when TP > 1 without sequence parallel)")
+def _megatron_sp(spec):
+    if spec.tp > 1 and not spec.sequence_parallel:
+        raise Broken(f"actor_rollout_ref.actor.megatron.sequence_parallel=False with TP={spec.tp} on an MoE "
+                     f"model: Megatron raises in the first training step; fix: sequence_parallel=True")
+    return "sequence parallel on" if spec.tp > 1 else "TP=1"
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.24.0 (encoded; files inside the vllm 0.24.0 wheel)
+# ---------------------------------------------------------------------------------------------
+
+def _r(spec) -> dict | None:
+    return spec.rollout if spec.rollout and spec.rollout.get("name") == "vllm" else None
+
+
+@rule("vllm.tp_divides_heads", f"{VLLM}: vllm/config/model.py ModelConfig.verify_with_parallel_config")
+def _vllm_heads(spec):
+    r = _r(spec)
+    if r is None:
+        return None
+    heads = spec.model["num_attention_heads"]
+    if heads % r["tp"]:
+        raise Broken(f"actor_rollout_ref.rollout.tensor_model_parallel_size={r['tp']}: vLLM needs the {heads} "
+                     f"attention heads divisible by TP; fix: a TP dividing {heads}")
+    return f"{heads} heads / TP {r['tp']}"
+
+
+@rule("vllm.max_lora_rank", f"{VLLM}: vllm/config/lora.py MaxLoRARanks; {VERL}: "
+      "verl/workers/rollout/vllm_rollout/utils.py get_vllm_max_lora_rank")
+def _vllm_rank(spec):
+    r = _r(spec)
+    if r is None or not spec.lora.get("rank"):
+        return None
+    try:
+        slot = planner.vllm_max_lora_rank(int(spec.lora["rank"]))
+    except planner.PlanError as err:
+        raise Broken(f"actor_rollout_ref.model.lora.rank={spec.lora['rank']}: {err}; fix: rank <= 512") from None
+    return f"rank {spec.lora['rank']} -> max_lora_rank {slot}"
+
+
+@rule("vllm.fully_sharded_rank_divides_tp", f"{VLLM}: vllm/lora/layers/fused_moe.py _create_lora_a_weights, "
+      "vllm/lora/layers/base_linear.py (divide(max_lora_rank, tp_size))")
+def _vllm_fs(spec):
+    r = _r(spec)
+    if r is None or not spec.lora.get("rank") or not spec.lora.get("fully_sharded_loras"):
+        return None
+    slot = planner.vllm_max_lora_rank(int(spec.lora["rank"]))
+    if slot % r["tp"]:
+        raise Broken(f"actor_rollout_ref.model.lora.fully_sharded_loras=True shards max_lora_rank={slot} over "
+                     f"rollout TP={r['tp']}, which does not divide it (vLLM asserts when it builds its LoRA "
+                     f"layers); fix: fully_sharded_loras=False, or rollout TP dividing {slot}")
+    return f"max_lora_rank {slot} / TP {r['tp']}"
+
+
+@rule("vllm.moe_lora_expert_parallel", f"{VLLM}: vllm/lora/layers/fused_moe.py FusedMoEWithLoRA._ep_check, "
+      "_verify_ep_fs; vllm/config/parallel.py use_sequence_parallel_moe")
+def _vllm_ep(spec):
+    r = _r(spec)
+    if r is None or not spec.lora.get("rank") or spec.lora.get("merge") or r["ep"] <= 1:
+        return None
+    if spec.lora.get("fully_sharded_loras"):
+        raise Broken(f"actor_rollout_ref.rollout.expert_parallel_size={r['ep']} with "
+                     f"actor_rollout_ref.model.lora.fully_sharded_loras=True: vLLM's fused-MoE LoRA forbids EP "
+                     f"together with fully-sharded LoRA; fix: fully_sharded_loras=False")
+    if (r.get("all2all_backend") or "allgather_reducescatter") != "allgather_reducescatter":
+        raise Broken(f"vLLM all2all_backend={r['all2all_backend']}: fused-MoE LoRA with EP needs "
+                     f"'allgather_reducescatter' (vLLM's default); fix: leave all2all_backend unset")
+    if r["tp"] > 1 and r["dp"] > 1:
+        raise Broken(f"rollout TP={r['tp']} and DP={r['dp']} with EP={r['ep']} turn on vLLM's sequence-parallel "
+                     f"MoE, which fused-MoE LoRA rejects; fix: EP with DP=1 (EP=TP) or TP=1 (EP=DP)")
+    return f"EP {r['ep']} with LoRA: allgather_reducescatter, no fully-sharded LoRA, no MoE sequence parallel"
+
+
+@rule("vllm.max_model_len", f"{VLLM}: vllm/v1/core/kv_cache_utils.py (KV cache must hold one max_model_len "
+      f"sequence); {VERL}: vllm_async_server.py (max_model_len defaults to max_position_embeddings)")
+def _vllm_len(spec):
+    r = _r(spec)
+    if r is None:
+        return None
+    mpe = spec.model.get("max_position_embeddings")
+    eff = r.get("max_model_len") or mpe
+    need = spec.verl.get("prompt_len", 0) + spec.verl.get("response_len", 0)
+    src = "set" if r.get("max_model_len") else f"unset, so verl uses max_position_embeddings={mpe}"
+    if mpe and eff > mpe:
+        raise Broken(f"actor_rollout_ref.rollout.max_model_len={eff} exceeds the model's max_position_embeddings="
+                     f"{mpe}; fix: max_model_len <= {mpe}")
+    if eff < need:
+        raise Broken(f"actor_rollout_ref.rollout.max_model_len={eff} is below max_prompt_length+max_response_length"
+                     f"={need}; fix: max_model_len >= {need}")
+    kv = getattr(spec.plan, "rollout_kv_tokens", None)
+    if kv is not None and kv < eff:
+        raise Broken(f"actor_rollout_ref.rollout.max_model_len={eff} ({src}) but the planned KV cache holds "
+                     f"{kv:,.0f} tokens per replica: vLLM refuses to start; fix: max_model_len={need} "
+                     f"(prompt+response) or more KV memory")
+    return f"max_model_len {eff} ({src}); KV cache {kv:,.0f} tokens" if kv is not None else f"max_model_len {eff}"
+
+
+@rule("vllm.routed_experts", f"{VLLM}: vllm/config/vllm.py (enable_return_routed_experts is incompatible with "
+      f"PP > 1); {VERL}: vllm_async_server.py (refuses vLLM < 0.22 for R3)")
+def _vllm_routed(spec):
+    r = _r(spec)
+    if r is None or not r.get("routing_replay"):
+        return None
+    if r.get("pp", 1) > 1:
+        raise Broken(f"actor_rollout_ref.rollout.pipeline_model_parallel_size={r['pp']} with "
+                     f"enable_rollout_routing_replay=True: vLLM cannot return routed experts under PP; fix: rollout PP=1")
+    ver = tuple(int(x) for x in re.findall(r"\d+", str(r.get("vllm_version", "0")))[:3])
+    if ver < R3_MIN_VLLM:
+        raise Broken(f"R3 needs vLLM >= {'.'.join(map(str, R3_MIN_VLLM))}, have {r.get('vllm_version')}; "
+                     f"fix: install the requirements-gpu.txt pin")
+    return f"routed experts returned (vLLM {r.get('vllm_version')}, rollout PP 1)"
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA targets: in the Megatron-Bridge mapping and applied by vLLM in prefill *and* decode
+# ---------------------------------------------------------------------------------------------
+
+@rule("lora.targets_in_bridge_mapping", f"{BRIDGE}: megatron/bridge/peft/lora.py target_modules matched "
+      "against the Megatron module names of megatron/bridge/models/{deepseek,qwen} providers")
+def _lora_targets(spec):
+    if not spec.lora.get("rank"):
+        return None
+    names = planner.lora_target_names(spec.model)
+    targets = list(spec.lora.get("target_modules") or [])
+    unmatched = [t for t in targets if t not in names]
+    if not targets or unmatched:
+        raise Broken(f"actor_rollout_ref.model.lora.target_modules={targets}: {unmatched or 'empty'} match no "
+                     f"module of {spec.model.get('name')} (has {sorted(names)}); Bridge silently skips them; "
+                     f"fix: use names from that list")
+    if "linear_fc1" not in targets or "linear_fc2" not in targets:
+        raise Broken(f"actor_rollout_ref.model.lora.target_modules={targets}: expert LoRA needs linear_fc1 and "
+                     f"linear_fc2; fix: add them")
+    return f"targets {targets}"
+
+
+@rule("lora.applied_in_decode", f"{VLLM}: vllm/model_executor/layers/attention/mla_attention.py "
+      "(process_weights_after_loading folds kv_b_proj into W_UK_T/W_UV; decode uses them, not the LoRA wrapper)")
+def _lora_decode(spec):
+    if not spec.lora.get("rank") or spec.model["family"] != "deepseek_v3":
+        return None
+    if "linear_kv_up_proj" in (spec.lora.get("target_modules") or []) and not spec.lora.get("merge"):
+        raise Broken("actor_rollout_ref.model.lora.target_modules contains linear_kv_up_proj (vLLM kv_b_proj) on "
+                     "an MLA model: vLLM applies that adapter in prefill only, so every decoded token is sampled "
+                     "without it while the trainer applies it (a mismatch R3 cannot remove); fix: drop "
+                     "linear_kv_up_proj (or merge the adapter: lora.merge=True)")
+    return "no MLA kv_b_proj adapter"
+
+
+# ---------------------------------------------------------------------------------------------
+# verl 0.9.1
+# ---------------------------------------------------------------------------------------------
+
+@rule("verl.rollout_ep_equals_tp_dp", f"{VERL}: verl/workers/config/rollout.py RolloutConfig.__post_init__")
+def _verl_ep(spec):
+    r = spec.rollout
+    if r is None or r.get("name") == "trtllm" or r["ep"] <= 1:
+        return None
+    if r["ep"] != r["tp"] * r["dp"]:
+        raise Broken(f"actor_rollout_ref.rollout.expert_parallel_size={r['ep']} must equal tensor_model_parallel_"
+                     f"size*data_parallel_size={r['tp']}*{r['dp']}; fix: set EP={r['tp'] * r['dp']}")
+    return f"rollout EP {r['ep']} = TP {r['tp']} x DP {r['dp']}"
+
+
+@rule("verl.rollout_fits_gpus", f"{VERL}: verl/single_controller/ray (resource pool: rollout replicas tile "
+      "the trainer's GPUs)")
+def _verl_rollout_gpus(spec):
+    r = spec.rollout
+    if r is None:
+        return None
+    world = r["tp"] * r["dp"] * r.get("pp", 1)
+    if spec.n_gpus % world:
+        raise Broken(f"rollout TP*DP*PP={world} must divide the {spec.n_gpus} GPUs; fix: change rollout TP/DP")
+    return f"{spec.n_gpus // world} rollout replica(s) of {world} GPUs"
+
+
+@rule("verl.batch_divisibility", f"{VERL}: verl/trainer/ppo/ray_trainer.py and verl/workers/config/actor.py "
+      "(mini-batches split the batch; each mini-batch splits over data-parallel ranks)")
+def _verl_batch(spec):
+    v = spec.verl
+    if "train_batch_size" not in v:
+        return None
+    bs, mini, n = v["train_batch_size"], v["ppo_mini_batch_size"], v["rollout_n"]
+    dp = spec.n_gpus // (spec.tp * spec.pp * spec.cp)
+    if bs % mini:
+        raise Broken(f"data.train_batch_size={bs} must divide by actor.ppo_mini_batch_size={mini}; fix: change either")
+    if (mini * n) % dp:
+        raise Broken(f"actor.ppo_mini_batch_size*rollout.n={mini}*{n}={mini * n} samples must split over the "
+                     f"{dp} Megatron data-parallel ranks; fix: a mini-batch multiple of {dp // math.gcd(dp, n)}")
+    return f"{bs // mini} mini-batches of {mini}x{n} samples over DP {dp}"
+
+
+@rule("verl.epochs_reach_steps", f"{VERL}: verl/trainer/ppo/ray_trainer.py fit() (loops over total_epochs; "
+      "total_training_steps only sets the LR schedule and is_last_step)")
+def _verl_epochs(spec):
+    v = spec.verl
+    steps, prompts = v.get("total_training_steps"), v.get("train_prompts")
+    if not steps or not prompts:
+        return None
+    per_epoch = prompts // v["train_batch_size"] if v.get("drop_last", True) else math.ceil(
+        prompts / v["train_batch_size"])
+    reach = per_epoch * v["total_epochs"]
+    if reach < steps:
+        need = math.ceil(steps / max(per_epoch, 1))
+        raise Broken(f"trainer.total_epochs={v['total_epochs']} x {per_epoch} steps/epoch ({prompts} prompts / "
+                     f"batch {v['train_batch_size']}) = {reach} < trainer.total_training_steps={steps}: the run stops "
+                     f"at step {reach} and never runs the last step's validation and save; fix: total_epochs={need}")
+    return f"{reach} steps available >= total_training_steps {steps}"
+
+
+def verl_kept_ratio_band(rc: dict, lo: float = 1e-3, hi: float = 1e3, points: int = 4001) -> tuple[float, float]:
+    """The interval of rho = pi_old/pi_rollout that verl's own rollout correction keeps (IS weight
+    > 0 and not rejected), found by running verl's ``compute_rollout_correction_and_rejection_mask``
+    on a log-spaced grid of one-token sequences (so token- and sequence-level statistics agree)."""
+    import torch
+
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    rho = torch.logspace(math.log10(lo), math.log10(hi), points, dtype=torch.float64)
+    old = torch.log(rho).unsqueeze(1)
+    mask = torch.ones_like(old)
+    weights, new_mask, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=torch.zeros_like(old), response_mask=mask,
+        rollout_is=rc.get("rollout_is"), rollout_is_threshold=rc.get("rollout_is_threshold"),
+        rollout_is_batch_normalize=False, rollout_rs=rc.get("rollout_rs"),
+        rollout_rs_threshold=rc.get("rollout_rs_threshold"))
+    kept = new_mask.bool().squeeze(1)
+    if weights is not None:
+        kept &= weights.batch["rollout_is_weights"].squeeze(1) > 0
+    if not kept.any():
+        return float("nan"), float("nan")
+    idx = torch.nonzero(kept).flatten()
+    return float(rho[idx[0]]), float(rho[idx[-1]])
+
+
+@rule("verl.declared_ratio_band", f"{VERL}: verl/trainer/ppo/rollout_corr_helper.py "
+      "compute_rollout_correction_and_rejection_mask (run on a grid of ratios)")
+def _verl_band(spec):
+    band = spec.verl.get("ratio_band")
+    if not band:
+        return None
+    rc = spec.verl.get("rollout_correction") or {}
+    got = verl_kept_ratio_band(rc)
+    want = (float(band[0]), float(band[1]))
+    if not all(math.isclose(g, w, rel_tol=0.01) for g, w in zip(got, want)):
+        raise Broken(f"moerl.ratio_band={list(want)} but verl keeps pi_old/pi_rollout in [{got[0]:.3g}, {got[1]:.3g}] "
+                     f"with algorithm.rollout_correction rollout_is={rc.get('rollout_is')} rollout_is_threshold="
+                     f"{rc.get('rollout_is_threshold')} rollout_rs={rc.get('rollout_rs')} rollout_rs_threshold="
+                     f"{rc.get('rollout_rs_threshold')} (token_k1/seq_*_k1 bounds apply to -log rho); fix: for "
+                     f"IcePop use verl's preset decoupled_token_icepop: rollout_is=token, rollout_is_threshold="
+                     f"'{want[0]}_{want[1]}', rollout_rs=null")
+    return f"verl keeps pi_old/pi_rollout in [{got[0]:.3g}, {got[1]:.3g}] as declared"
+
+
+@rule("verl.lora_needs_bridge", f"{VERL}: verl/workers/megatron_workers.py (LoRA on the Megatron backend goes "
+      "through Megatron-Bridge's PEFT: use_mbridge=True, vanilla_mbridge=False)")
+def _verl_bridge(spec):
+    if not spec.lora.get("rank") or spec.rollout is None:
+        return None
+    if not (spec.verl.get("use_mbridge") is True and spec.verl.get("vanilla_mbridge") is False):
+        raise Broken(f"LoRA rank {spec.lora['rank']} with actor.megatron.use_mbridge={spec.verl.get('use_mbridge')}"
+                     f", vanilla_mbridge={spec.verl.get('vanilla_mbridge')}; fix: use_mbridge=True, "
+                     f"vanilla_mbridge=False")
+    return "Megatron-Bridge PEFT"
+
+
+@rule("verl.config_dataclasses", f"{VERL}: verl/workers/config/rollout.py RolloutConfig, "
+      "verl/workers/config/actor.py McoreActorConfig (built with omega_conf_to_dataclass, run)")
+def _verl_dataclasses(spec):
+    cfg = spec.verl.get("_cfg")
+    if cfg is None:
+        return None
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import McoreActorConfig, RolloutConfig
+
+    from omegaconf import OmegaConf
+
+    for key, cls in (("actor_rollout_ref.rollout", RolloutConfig), ("actor_rollout_ref.actor", McoreActorConfig)):
+        node = OmegaConf.select(cfg, key)
+        try:  # as verl's workers do: the node's own _target_ names the dataclass
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                built = omega_conf_to_dataclass(node)
+        except Exception as err:  # Hydra wraps the dataclass's own error in InstantiationException
+            cause = err.__cause__ or err
+            raise Broken(f"{key}: verl's {cls.__name__} rejects it: {type(cause).__name__}: {cause}; fix: the "
+                         f"key it names") from None
+        if not isinstance(built, cls):
+            raise Broken(f"{key}: _target_ builds {type(built).__name__}, expected {cls.__name__}")
+    return "RolloutConfig and McoreActorConfig accept the config"
+
+
+# ---------------------------------------------------------------------------------------------
+# building a LaunchSpec
+# ---------------------------------------------------------------------------------------------
+
+def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str = "0") -> LaunchSpec:
+    """The LaunchSpec of a composed verl config (``ppo_megatron_trainer``)."""
+    from omegaconf import OmegaConf
+
+    def sel(key, default=None):
+        return OmegaConf.select(cfg, key, default=default)
+
+    a, r = "actor_rollout_ref.actor.megatron.", "actor_rollout_ref.rollout."
+    otc = OmegaConf.to_container(sel(a + "override_transformer_config") or OmegaConf.create({}), resolve=False)
+    lora = OmegaConf.to_container(sel("actor_rollout_ref.model.lora") or OmegaConf.create({}), resolve=False)
+    etp = sel(a + "expert_tensor_parallel_size")
+    return LaunchSpec(
+        model=model,
+        n_gpus=int(sel("trainer.nnodes")) * int(sel("trainer.n_gpus_per_node")),
+        tp=int(sel(a + "tensor_model_parallel_size")), pp=int(sel(a + "pipeline_model_parallel_size")),
+        vpp=sel(a + "virtual_pipeline_model_parallel_size"), ep=int(sel(a + "expert_model_parallel_size")),
+        etp=None if etp is None else int(etp), cp=int(sel(a + "context_parallel_size")),
+        sequence_parallel=verl_engine_sequence_parallel(cfg),
+        first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
+        pipeline_layout=otc.get("pipeline_model_parallel_layout"), mtp_layers=otc.get("mtp_num_layers"),
+        rollout=dict(name=sel(r + "name"), tp=int(sel(r + "tensor_model_parallel_size")),
+                     dp=int(sel(r + "data_parallel_size")), ep=int(sel(r + "expert_parallel_size")),
+                     pp=int(sel(r + "pipeline_model_parallel_size", 1)), max_model_len=sel(r + "max_model_len"),
+                     routing_replay=bool(sel(r + "enable_rollout_routing_replay")),
+                     all2all_backend=(sel(r + "engine_kwargs.vllm.all2all_backend")),
+                     vllm_version=vllm_version),
+        lora=lora,
+        verl=dict(train_batch_size=int(sel("data.train_batch_size")),
+                  ppo_mini_batch_size=int(sel("actor_rollout_ref.actor.ppo_mini_batch_size")),
+                  rollout_n=int(sel(r + "n")), total_epochs=int(sel("trainer.total_epochs")),
+                  total_training_steps=sel("trainer.total_training_steps"),
+                  train_prompts=moerl.get("train_prompts"), drop_last=True,
+                  prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
+                  use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),
+                  ratio_band=moerl.get("ratio_band"),
+                  rollout_correction=OmegaConf.to_container(sel("algorithm.rollout_correction"), resolve=True)
+                  if sel("algorithm.rollout_correction") is not None else {}, _cfg=cfg),
+        plan=plan)
+
+
+def verl_engine_sequence_parallel(cfg) -> bool:
+    """sequence_parallel as verl hands it to Megatron: verl's own McoreEngineConfig turns it off at
+    TP=1 (verl/workers/config/engine.py), so the composed YAML value is not what Megatron sees."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = OmegaConf.select(cfg, "actor_rollout_ref.actor.megatron")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return bool(omega_conf_to_dataclass(node).sequence_parallel)
+    except Exception:  # a config verl rejects is reported by verl.config_dataclasses / validate_config
+        return bool(node.get("sequence_parallel")) and int(node.get("tensor_model_parallel_size", 1)) > 1
+
+
+def spec_from_megatron_recipe(recipe: dict, model: dict) -> LaunchSpec:
+    """A Megatron-only recipe (Megatron-Bridge / miles fixtures): ``n_gpus`` plus ``megatron`` keys
+    named as Megatron-Core's TransformerConfig fields."""
+    m = recipe["megatron"]
+    return LaunchSpec(
+        model=model, n_gpus=int(recipe["n_gpus"]), tp=m.get("tensor_model_parallel_size", 1),
+        pp=m.get("pipeline_model_parallel_size", 1), vpp=m.get("virtual_pipeline_model_parallel_size"),
+        ep=m.get("expert_model_parallel_size", 1), etp=m.get("expert_tensor_parallel_size"),
+        cp=m.get("context_parallel_size", 1), sequence_parallel=m.get("sequence_parallel", False),
+        first_stage_layers=m.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=m.get("num_layers_in_last_pipeline_stage"),
+        pipeline_layout=m.get("pipeline_model_parallel_layout"), mtp_layers=m.get("mtp_num_layers"))

@@ -1,0 +1,94 @@
+"""The constraint layer's rules on hand-built specs (no Hydra): upstream's own code decides where it
+runs on CPU, and the IcePop band is what verl's helper computes."""
+import math
+import re
+
+import pytest
+
+from moerl import planner
+from moerl.verl_ext import constraints as C
+
+K2 = planner.load_public_config("kimi_k2")
+QWEN = planner.load_public_config("qwen3_30b_a3b")
+
+
+def _rules(spec, prefix):
+    return {f.rule: f for f in C.check_all(spec, only=(prefix,))}
+
+
+@pytest.mark.parametrize("first,last,ok", [(None, None, False), (None, 5, True), (4, 1, False), (5, 0, False),
+                                           (4, 9, True)])
+def test_megatron_layer_distribution_for_61_layers_is_megatron_cores(first, last, ok):
+    """61 layers over PP8: an even split asserts; 7x8 + 5 and 4 + 6x8 + 9 work; 4 + 56/6 + 1 leaves a
+    middle that does not divide; a stage of 0 layers is refused."""
+    spec = C.LaunchSpec(model=K2, n_gpus=64, tp=8, pp=8, ep=8, etp=1, sequence_parallel=True,
+                        first_stage_layers=first, last_stage_layers=last)
+    found = _rules(spec, "megatron.")
+    verdict = found["megatron.transformer_config"].ok and found.get(
+        "megatron.layer_distribution", found["megatron.transformer_config"]).ok
+    assert verdict is ok, [f.line() for f in found.values()]
+
+
+def test_megatron_messages_quote_megatron_core():
+    spec = C.LaunchSpec(model=K2, n_gpus=64, tp=8, pp=8, ep=8, etp=1, sequence_parallel=True)
+    f = _rules(spec, "megatron.layer_distribution")["megatron.layer_distribution"]
+    assert not f.ok and "num_layers should be divisible by pipeline_model_parallel_size" in f.detail
+    assert "num_layers_in_last_pipeline_stage=5" in f.detail  # the suggested fix
+    assert "transformer_block.py" in f.source
+
+
+def test_megatron_query_groups_rule_is_megatron_cores():
+    spec = C.LaunchSpec(model=QWEN, n_gpus=48, tp=3, pp=1, ep=1, etp=1, sequence_parallel=True)
+    f = _rules(spec, "megatron.transformer_config")["megatron.transformer_config"]
+    assert not f.ok and "must be a multiple of tensor_model_parallel_size (3)" in f.detail
+
+
+def _vllm_spec(tp, dp, ep, fs, rank=32):
+    return C.LaunchSpec(model=K2, n_gpus=64, rollout=dict(name="vllm", tp=tp, dp=dp, ep=ep, pp=1),
+                        lora=dict(rank=rank, fully_sharded_loras=fs, target_modules=["linear_fc1", "linear_fc2"]))
+
+
+@pytest.mark.parametrize("tp,dp,ep,fs,ok", [
+    (64, 1, 64, False, True),    # EP with DP=1: no MoE sequence parallel
+    (1, 64, 64, False, True),    # EP with TP=1
+    (8, 8, 64, False, False),    # TP>1 and DP>1 with EP: sequence-parallel MoE
+    (64, 1, 64, True, False),    # EP + fully-sharded LoRA
+    (64, 1, 1, False, None),     # no EP: rule does not apply
+])
+def test_vllm_moe_lora_expert_parallel(tp, dp, ep, fs, ok):
+    f = _rules(_vllm_spec(tp, dp, ep, fs), "vllm.moe_lora_expert_parallel").get("vllm.moe_lora_expert_parallel")
+    assert (f.ok if f else None) is ok
+
+
+@pytest.mark.parametrize("tp,ok", [(64, False), (32, True), (16, True), (8, True)])
+def test_vllm_fully_sharded_rank_must_divide_by_tp(tp, ok):
+    f = _rules(_vllm_spec(tp, 1, 1, True), "vllm.fully_sharded")["vllm.fully_sharded_rank_divides_tp"]
+    assert f.ok is ok
+
+
+def test_verl_icepop_preset_band_and_the_token_k1_misreading():
+    """verl's own helper: the decoupled_token_icepop preset keeps rho in [0.5, 5]; rollout_rs=token_k1
+    with the same string thresholds -log rho and keeps [0.2, 2]."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    preset = RolloutCorrectionConfig.decoupled_token_icepop()
+    lo, hi = C.verl_kept_ratio_band({"rollout_is": preset.rollout_is, "rollout_is_threshold": preset.rollout_is_threshold,
+                                     "rollout_rs": preset.rollout_rs})
+    assert math.isclose(lo, 0.5, rel_tol=0.01) and math.isclose(hi, 5.0, rel_tol=0.01)
+    lo, hi = C.verl_kept_ratio_band({"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_rs": "token_k1",
+                                     "rollout_rs_threshold": "0.5_5.0"})
+    assert math.isclose(lo, 0.2, rel_tol=0.01) and math.isclose(hi, 2.0, rel_tol=0.01)
+
+
+def test_epochs_rule_counts_verl_steps():
+    spec = C.LaunchSpec(model=K2, n_gpus=64, verl=dict(train_batch_size=64, total_epochs=1, total_training_steps=200,
+                                                        train_prompts=7500))
+    f = _rules(spec, "verl.epochs")["verl.epochs_reach_steps"]
+    assert not f.ok and "stops at step 117" in f.detail and "total_epochs=2" in f.detail
+
+
+def test_every_rule_names_an_upstream_source():
+    for name, source, _ in C.RULES:
+        assert re.search(r"(megatron-core|vllm|verl|megatron-bridge)", source), name
+
+

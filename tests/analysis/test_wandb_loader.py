@@ -50,3 +50,19 @@ def test_map_is_one_to_one_and_empty_projects_are_named():
     assert "eval/pass1" not in map_verl_metrics(["val-core/a/acc/mean@1", "val-core/b/acc/mean@1"]).values()
     with pytest.raises(MissingRunError, match="no wandb runs with history at me/empty"):
         load_wandb_runs("me/empty", api=FakeApi([]))
+
+
+def test_cluster_results_table_puts_the_run_beside_the_paper():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "cluster_results.py"
+    spec = importlib.util.spec_from_file_location("cluster_results", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"_step": s, "training/global_step": s, "rollout_corr/k3_kl": k3} for s, k3 in ((1, 9.0), (2, 1e-3), (3, 3e-3))]
+    runs = [FakeRun(f"r{seed}", "r3", {"experiment": "02_x", "arm": "r3", "seed": seed}, rows) for seed in (0, 1)]
+    text = mod.main(["me/p", "--experiment", "02_x", "--last", "2"], api=FakeApi(runs))
+    k3_row = next(line for line in text.splitlines() if line.startswith("| k3 KL"))
+    assert "1.5e-3 without R3" in k3_row and "2.00e-03 ± 0.00e+00" in k3_row  # mean of the last 2 steps
+    assert "| held-out pass@1 | r3 |" in text and text.count("not logged") >= 1

@@ -81,7 +81,7 @@ def test_cli_overrides_seed_and_wandb_group(capsys):
     out = capsys.readouterr().out
     assert "trainer.total_training_steps=20" in out and "actor_rollout_ref.rollout.seed=7" in out
     assert "WANDB_RUN_GROUP=03_qwen3_30b_a3b_lora_mitigations" in out
-    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,r3,seed7" in out
+    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7" in out
     assert "GPU-hours = 8 GPUs x 20 steps" in out
 
 

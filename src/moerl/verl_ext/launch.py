@@ -261,7 +261,8 @@ def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
             raise ExperimentError(f"{exp.files[-1]}: moerl.loss must be a mapping of LossConfig fields")
         out += losses.verl_overrides(from_dict(LossConfig, loss, where=f"{exp.files[-1]}: moerl.loss"))
     group = exp.name.split("/")[0]
-    tags = [group] + ([exp.arm] if exp.arm else []) + ([f"seed{seed}"] if seed is not None else [])
+    # "arm:<arm>" / "seed:<n>": the form moerl.results.load_wandb_runs reads a run's key from
+    tags = [group] + ([f"arm:{exp.arm}"] if exp.arm else []) + ([f"seed:{seed}"] if seed is not None else [])
     out += [f"{RUNTIME_ENV}.WANDB_RUN_GROUP={group}",
             f"{RUNTIME_ENV}.WANDB_TAGS='{','.join(tags)}'"]
     if seed is not None:

@@ -219,6 +219,12 @@ class VLLMEngine:
                 raise ValueError("lora.target_experts: vLLM's CPU build cannot apply LoRA to fused MoE experts "
                                  "(vllm/lora/layers/fused_moe.py: 'Monolithic kernels are not supported for Fused "
                                  "MoE LoRA.'); set lora.target_experts=false for rollout.engine=vllm on CPU")
+            if cfg.capture_routing:
+                raise ValueError("rollout.capture_routing: vLLM's CPU build cannot return routed experts "
+                                 "(vllm/v1/worker/gpu_model_runner.py: '--enable-return-routed-experts is not "
+                                 "supported with monolithic MoE kernel'; with VLLM_USE_V2_MODEL_RUNNER=1, "
+                                 "'Model Runner V2 requires Triton.'); set rollout.capture_routing=false "
+                                 "(arms without R3) for rollout.engine=vllm on CPU")
             kw.update(cpu_llm_kwargs())
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)

@@ -98,3 +98,39 @@ def test_expert_lora_is_refused_on_cpu_naming_the_key(served):
     policy, tok, _ = served
     with pytest.raises(ValueError, match="lora.target_experts.*Monolithic kernels are not supported"):
         VLLMEngine("/nonexistent", tok, ROLLOUT, replace(LORA, target_experts=True), MODEL.preset, 8, 2, (0, 1), 2)
+
+
+def test_routing_capture_is_refused_on_cpu_naming_the_key(served):
+    from dataclasses import replace
+
+    _, tok, _ = served
+    with pytest.raises(ValueError, match="rollout.capture_routing.*Model Runner V2 requires Triton"):
+        VLLMEngine("/nonexistent", tok, replace(ROLLOUT, capture_routing=True), LORA, MODEL.preset, 8, 2, (0, 1), 2)
+
+
+@pytest.mark.parametrize("feature, upstream_error", [
+    ("routed_experts", "--enable-return-routed-experts is not supported with monolithic MoE kernel"),
+    ("routed_experts_v2", "Model Runner V2 requires Triton"),
+    ("expert_lora", "Monolithic kernels are not supported for Fused MoE LoRA"),
+])
+def test_what_vllms_cpu_build_cannot_do(served, capfd, monkeypatch, feature, upstream_error):
+    """vLLM itself refuses routed-experts capture and LoRA on the fused experts on CPU: the guards
+    above quote these errors. Fails (and should be revisited) the day vLLM's CPU build supports them."""
+    import vllm
+
+    from moerl.rollout.vllm import cpu_llm_kwargs
+
+    kw = dict(model=str(served[2].model_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
+              **cpu_llm_kwargs())
+    if feature.startswith("routed_experts"):
+        kw.pop("lora_target_modules")
+        kw["enable_return_routed_experts"] = True
+        if feature.endswith("v2"):
+            monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    else:
+        kw.pop("lora_target_modules")  # every supported module, the fused experts included
+        kw.update(enable_lora=True, max_lora_rank=8)
+    with pytest.raises(Exception) as err:
+        vllm.LLM(**kw)
+    out, errout = capfd.readouterr()
+    assert upstream_error in str(err.value) + out + errout

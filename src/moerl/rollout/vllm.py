@@ -211,7 +211,7 @@ class VLLMEngine:
         self.cfg, self.tokenizer, self.task, self.lora_cfg, self.preset = cfg, tokenizer, task, lora_cfg, preset
         self.num_experts, self.top_k = num_experts, top_k
         self.moe_layers, self.num_hidden_layers = tuple(moe_layers), num_hidden_layers
-        self.adapter_root = Path(adapter_dir)
+        self.adapter_root, self.model_path = Path(adapter_dir), model_path
         kw = engine_kwargs(model_path, cfg, lora_cfg.rank, tensor_parallel_size)
         kw.update(skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm")
         if running_on_cpu():

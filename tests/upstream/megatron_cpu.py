@@ -18,10 +18,10 @@ them is on the routing or replay path, and each is listed here with the upstream
 """
 from __future__ import annotations
 
-import os
 import socket
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 NUM_LAYERS = 4
@@ -45,7 +45,7 @@ def megatron_on_cpu():
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import verl.utils.megatron.router_replay_utils as verl_replay_utils
 
-    mp = __import__("pytest").MonkeyPatch()
+    mp = pytest.MonkeyPatch()
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)

@@ -134,3 +134,36 @@ def test_what_vllms_cpu_build_cannot_do(served, capfd, monkeypatch, feature, ups
         vllm.LLM(**kw)
     out, errout = capfd.readouterr()
     assert upstream_error in str(err.value) + out + errout
+
+
+def test_routed_experts_parse_from_vllms_own_output_classes():
+    """Routing capture cannot run here, so its output is built with vLLM's own classes the way vLLM
+    0.27 assembles it: a prefill chunk of prompt rows plus one row per decode forward, concatenated
+    (v1/engine/output_processor.py), in the slot buffer's dtype (uint8 for <= 256 experts,
+    routed_experts_capturer.py), dense layer 0 left at 0; moerl maps it by global layer number."""
+    import numpy as np
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from moerl.rollout.vllm import outputs_to_batch
+
+    rng = np.random.default_rng(0)
+    layers, k, moe_layers, prompt, response = 3, 2, (1, 2), [1, 30, 31, 32], [40, 41, 2]
+
+    def chunk(rows):
+        c = np.zeros((rows, layers, k), dtype=np.uint8)
+        for layer in moe_layers:
+            c[:, layer] = np.stack([rng.permutation(8)[:k] for _ in range(rows)])
+        return c
+
+    routes = np.concatenate([chunk(len(prompt))] + [chunk(1) for _ in response[:-1]], axis=0)
+    comp = CompletionOutput(index=0, text="", token_ids=response, cumulative_logprob=None,
+                            logprobs=[{t: Logprob(logprob=-0.5)} for t in response], routed_experts=routes)
+    req = RequestOutput("0", None, prompt, None, [comp], finished=True)
+    batch = outputs_to_batch([req], pad_id=0, eos_id=2, group_size=1, moe_layers=moe_layers, num_experts=8,
+                             top_k=k, num_hidden_layers=layers)
+    trace = batch.routing
+    assert routes.shape == (len(prompt) + len(response) - 1, layers, k)
+    assert trace.indices.shape == (1, len(prompt) + len(response), len(moe_layers), k)
+    assert np.array_equal(trace.indices[0, :-1].numpy(), routes[:, list(moe_layers)])
+    assert trace.valid[0, :-1].all() and not trace.valid[0, -1]  # the last generated token: no route

@@ -7,7 +7,8 @@ routers by global layer number), ``set_model_router_replay_action`` and megatron
 allgather dispatcher and full activation recompute - in the order verl's
 ``MegatronEngine.forward_step`` calls them. The model has a dense first layer, so vLLM's
 ``routed_experts`` (``[T-1, num_hidden_layers, k]``, dense layers left 0) and the routers disagree
-on positions; mapping by position is the bug that broke R3, shown on the same model below.
+on positions; mapping by position is the bug that broke R3, shown on the same model below. R2
+(RECORD, ``merge_router_topk_indices``, replay by MoE ordinal) runs on the same model.
 Only CUDA-device lookups are redirected to the CPU (tests/upstream/megatron_cpu.py).
 """
 from __future__ import annotations
@@ -234,3 +235,45 @@ def test_moerl_trace_matches_the_routers_megatron_replays(replay_model):
             assert trace.valid[i, cols].all() and not trace.valid[i, attention[i].nonzero()[-1]].any()
             assert torch.equal(selected[start:start + n - 1], one_hot(trace.indices[i, cols, j]))
             start += n
+
+
+def test_r2_records_then_replays_by_moe_ordinal_after_the_weights_move(replay_model):
+    """R2 on the same dense-first model: RECORD in the old-logprob pass, verl's
+    ``merge_router_topk_indices`` gathers ``[tokens, n_moe_layers, k]`` (MoE layers only), the router
+    weights then change (an optimizer step), and REPLAY_FORWARD with that record still picks the
+    recorded experts: ``set_router_replay_data`` maps the MoE-only layer axis by MoE ordinal."""
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+    from verl.utils.megatron.router_replay_utils import (merge_router_topk_indices, set_model_router_replay_action,
+                                                         set_router_replay_data)
+
+    model, cfg = replay_model
+    lengths = [7, 5, 6]
+    input_ids, _ = micro_batch(lengths, [3, 2, 2], 4)
+    set_model_router_replay_action(model, RouterReplayAction.RECORD)
+    log = RouterLog(model)
+    with torch.no_grad():
+        forward_packed(model, input_ids, lengths)
+    recorded_maps = {layer: selected for layer, selected, _ in log.calls}
+    records: list = []
+    merge_router_topk_indices(None, input_ids, records, cfg, 0, model=model)
+    recorded = records[0]  # jagged [sample][tokens, n_moe_layers, k]
+    flat = torch.cat(list(recorded.unbind()))
+    assert flat.shape == (sum(lengths), len(MOE_LAYERS), TOP_K)
+    for j, layer in enumerate(MOE_LAYERS):
+        assert torch.equal(one_hot(flat[:, j]), recorded_maps[layer])  # the record is what each router did
+
+    with torch.no_grad():  # the update moves the routers: native routing now differs
+        for m in model.modules():
+            if getattr(m, "router_replay", None) is not None:
+                m.weight.add_(torch.randn_like(m.weight))
+    log.calls = []
+    set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
+    set_router_replay_data(recorded, None, cfg, 0, model=model)
+    with torch.no_grad():
+        forward_packed(model, input_ids, lengths)
+    log.close()
+    moved = 0
+    for j, (layer, selected, native) in enumerate(log.calls):
+        assert layer == MOE_LAYERS[j] and torch.equal(selected, recorded_maps[layer])
+        moved += int((one_hot(native) != selected).any(-1).sum())
+    assert moved > 0  # replay, not coincidence: the moved routers would have chosen otherwise

@@ -421,6 +421,8 @@ def validate(cfg: ExperimentConfig) -> None:
         (cfg.lora.rank > 0, "lora.rank must be > 0"),
         (not (cfg.replay.mode != "none" and not r.capture_routing and cfg.replay.mode == "R3"),
          "replay.mode=R3 needs rollout.capture_routing=true"),
+        (r.engine != "vllm" or (cfg.refit.mode, cfg.refit.engine) == ("adapter", "inprocess"),
+         "rollout.engine=vllm takes adapter refit into its own processes: refit.mode=adapter, refit.engine=inprocess"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]

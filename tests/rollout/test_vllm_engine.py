@@ -1,4 +1,5 @@
-"""The vLLM engine's CPU-testable parts: engine/sampling args, requests, output parsing (vLLM shapes)."""
+"""The vLLM engine without vLLM: engine/sampling args, requests, output parsing on vLLM's shapes (the engine
+itself runs on vLLM's CPU build in tests/upstream_vllm)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -116,9 +116,15 @@ class GRPOTrainer:
             from moerl.refit.engine_process import EngineProcess
 
             self.engine = EngineProcess(cfg, self.policy)
+        elif cfg.rollout.engine == "vllm":  # vLLM over the base weights; the adapter arrives by refit
+            from moerl.rollout.vllm import VLLMAdapterRefit, VLLMEngine
+
+            self.engine = VLLMEngine.from_policy(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
+                                                 cfg.model.preset, self.run_dir / "vllm_engine", cfg.data.task)
         else:
             self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
-        self.refitter = make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype)
+        self.refitter = (VLLMAdapterRefit(self.policy, self.engine) if cfg.rollout.engine == "vllm" else
+                         make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype))
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
         self.step_idx = 0
         if cfg.loss.variant == "bypass":

@@ -190,7 +190,7 @@ def _megatron_layers(spec):
                                                       else None, pp_rank=r) for v in vps))
     except AssertionError as err:
         layers = spec.model["num_hidden_layers"]
-        hint = (f" e.g. PP={spec.pp} with num_layers_in_last_pipeline_stage="
+        hint = (f", e.g. PP={spec.pp} with num_layers_in_last_pipeline_stage="
                 f"{layers - (spec.pp - 1) * math.ceil(layers / spec.pp)}"
                 if layers % spec.pp and layers - (spec.pp - 1) * math.ceil(layers / spec.pp) > 0 else "")
         raise Broken(f"Megatron-Core cannot split {layers} layers over PP={spec.pp} (first/last stage "

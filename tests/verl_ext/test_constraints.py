@@ -92,3 +92,97 @@ def test_every_rule_names_an_upstream_source():
         assert re.search(r"(megatron-core|vllm|verl|megatron-bridge)", source), name
 
 
+
+
+# Megatron layouts whose verdicts must not depend on the Megatron-Core version: the repo's own,
+# upstream recipes, and the broken ones of the known-bad corpus.
+LAYOUTS = [
+    dict(model="kimi_k2", n_gpus=64, tp=8, pp=8, ep=8, etp=1, sequence_parallel=True, last_stage_layers=5),
+    dict(model="kimi_k2", n_gpus=64, tp=8, pp=8, ep=8, etp=1, sequence_parallel=True),
+    dict(model="kimi_k2", n_gpus=64, tp=8, pp=8, ep=8, etp=1, sequence_parallel=True, first_stage_layers=4,
+         last_stage_layers=1),
+    dict(model="kimi_k2", n_gpus=1024, tp=8, pp=16, vpp=2, ep=64, etp=1, sequence_parallel=True,
+         pipeline_layout="Et|(tt|)*30L"),
+    dict(model="deepseek_v3", n_gpus=1024, tp=2, pp=8, vpp=4, ep=64, etp=1, sequence_parallel=True,
+         pipeline_layout="Et|(tt|)*30mL", mtp_layers=1),
+    dict(model="deepseek_v3", n_gpus=256, tp=1, pp=16, ep=16, etp=1, first_stage_layers=4, last_stage_layers=1),
+    dict(model="moonlight_16b_a3b", n_gpus=24, tp=4, pp=3, ep=4, etp=1, sequence_parallel=True),
+    dict(model="moonlight_16b_a3b", n_gpus=24, tp=2, pp=3, vpp=2, ep=8, etp=1, sequence_parallel=True),
+    dict(model="moonlight_16b_a3b", n_gpus=32, tp=32, pp=1, ep=8, etp=1, sequence_parallel=True),
+    dict(model="qwen3_30b_a3b", n_gpus=8, tp=2, pp=2, cp=2, ep=4, etp=1, sequence_parallel=True),
+]
+
+
+def _specs():
+    return [C.LaunchSpec(model=planner.load_public_config(d["model"]),
+                         **{k: v for k, v in d.items() if k != "model"}) for d in LAYOUTS]
+
+
+def test_megatron_rules_agree_under_the_clusters_megatron_core():
+    """The same rules under Megatron-Core 0.19.2 (the requirements-gpu.txt pin), run in a separate
+    process on the wheel unpacked by scripts/setup_upstream_mcore.sh; skipped where it is absent."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    site = os.environ.get("MOERL_UPSTREAM_MCORE", "/tmp/moerl-upstream-mcore/site")
+    if not (Path(site) / "megatron" / "core").is_dir():
+        pytest.skip(f"Megatron-Core 0.19.2 not unpacked at {site}: run scripts/setup_upstream_mcore.sh")
+    here = C.megatron_verdicts(_specs())
+    src = str(Path(C.__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-m", "moerl.verl_ext.constraints"], input=json.dumps(LAYOUTS),
+                         capture_output=True, text=True, timeout=300, check=True,
+                         env={**os.environ, "PYTHONPATH": f"{site}:{src}", "OMP_NUM_THREADS": "1"})
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert theirs["megatron_core"] == "0.19.2"
+    assert theirs["verdicts"] == here
+    assert [v["megatron.transformer_config"] and v.get("megatron.layer_distribution", True) for v in here] == [
+        True, False, False, True, True, True, True, False, False, True]
+
+
+_VLLM_PROBE = r'''
+import json, sys, types, typing
+import vllm
+from vllm.config import ParallelConfig
+from vllm.config.lora import LoRAConfig, MaxLoRARanks
+from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
+verdicts = []
+for tp, dp, ep, fs in json.loads(sys.argv[1]):
+    pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep > 1)
+    layer = types.SimpleNamespace(use_ep=ep > 1, moe_config=types.SimpleNamespace(
+        moe_parallel_config=types.SimpleNamespace(all2all_backend=pc.all2all_backend,
+                                                  is_sequence_parallel=pc.use_sequence_parallel_moe)))
+    try:  # vLLM's own checks, with the EP / sequence-parallel flags vLLM's ParallelConfig derives
+        FusedMoEWithLoRA._ep_check(layer)
+        FusedMoEWithLoRA._verify_ep_fs(layer, LoRAConfig(max_lora_rank=32, fully_sharded_loras=fs))
+        verdicts.append(True)
+    except AssertionError:
+        verdicts.append(False)
+print(json.dumps({"vllm": vllm.__version__, "ranks": list(typing.get_args(MaxLoRARanks)), "verdicts": verdicts}))
+'''
+
+
+def test_vllm_moe_lora_ep_rule_matches_vllms_own_checks():
+    """FusedMoEWithLoRA._ep_check/_verify_ep_fs and ParallelConfig.use_sequence_parallel_moe from a
+    vLLM CPU build (an optional environment: MOERL_VLLM_PYTHON, default .venv-vllm/bin/python) decide
+    the same cases as the encoded rule; skipped where that environment is absent. That environment
+    may hold a newer vLLM than the cluster's 0.24.0 pin; the two checks read the same in 0.24.0's wheel."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(C.__file__).resolve().parents[3]
+    py = Path(os.environ.get("MOERL_VLLM_PYTHON", repo / ".venv-vllm" / "bin" / "python"))
+    if not py.exists():
+        pytest.skip(f"no vLLM CPU environment at {py} (set MOERL_VLLM_PYTHON)")
+    cases = [(64, 1, 64, False), (1, 64, 64, False), (8, 8, 64, False), (64, 1, 64, True), (32, 2, 64, False)]
+    out = subprocess.run([str(py), "-c", _VLLM_PROBE, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=600, check=True, cwd="/", env={**os.environ, "OMP_NUM_THREADS": "1"})
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = [_rules(_vllm_spec(tp, dp, ep, fs), "vllm.moe_lora")["vllm.moe_lora_expert_parallel"].ok
+            for tp, dp, ep, fs in cases]
+    assert theirs["verdicts"] == ours == [True, True, False, False, False]
+    assert tuple(theirs["ranks"]) == planner.VLLM_MAX_LORA_RANKS

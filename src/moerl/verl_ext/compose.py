@@ -17,7 +17,6 @@ does not know fails with verl/Hydra's own message; we add the experiment file it
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

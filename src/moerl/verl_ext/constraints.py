@@ -11,8 +11,9 @@ Where upstream's own code runs on a CPU it is *called*, not re-encoded:
   cp312-only): ``TransformerConfig`` / ``MLATransformerConfig.__post_init__`` (TP vs heads and query
   groups, EP needs experts, MoE bias needs ETP 1, uneven-PP and ``pipeline_model_parallel_layout``
   validation, VPP) and ``transformer_block.get_num_layers_to_build`` (the per-stage layer
-  distribution assert) for every pipeline rank. The rules these two functions apply were read in
-  0.19.2's wheel too and are unchanged for the settings used here.
+  distribution assert) for every pipeline rank. 0.19.2 differs only in message wording for these
+  rules; ``python -m moerl.verl_ext.constraints`` runs the same Megatron rules under 0.19.2 in a
+  separate process (scripts/setup_upstream_mcore.sh unpacks it; tests compare the verdicts).
 - verl 0.9.1: ``RolloutConfig`` and ``McoreActorConfig`` dataclasses (rollout EP = TP*DP, batch
   sizes), and ``validate_config`` (run by the launcher).
 vLLM 0.24.0's rules are encoded (its GPU build is what runs on the cluster; vLLM's own classes are
@@ -189,7 +190,7 @@ def _megatron_layers(spec):
                                                       else None, pp_rank=r) for v in vps))
     except AssertionError as err:
         layers = spec.model["num_hidden_layers"]
-        hint = (f" e.g. PP={spec.pp} with num_layers_in_last_pipeline_stage="
+        hint = (f", e.g. PP={spec.pp} with num_layers_in_last_pipeline_stage="
                 f"{layers - (spec.pp - 1) * math.ceil(layers / spec.pp)}"
                 if layers % spec.pp and layers - (spec.pp - 1) * math.ceil(layers / spec.pp) > 0 else "")
         raise Broken(f"Megatron-Core cannot split {layers} layers over PP={spec.pp} (first/last stage "
@@ -586,3 +587,37 @@ def spec_from_megatron_recipe(recipe: dict, model: dict) -> LaunchSpec:
         first_stage_layers=m.get("num_layers_in_first_pipeline_stage"),
         last_stage_layers=m.get("num_layers_in_last_pipeline_stage"),
         pipeline_layout=m.get("pipeline_model_parallel_layout"), mtp_layers=m.get("mtp_num_layers"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron rules under another Megatron-Core (the cluster's pinned version, where it imports)
+# ---------------------------------------------------------------------------------------------
+
+MEGATRON_FIELDS = ("n_gpus", "tp", "pp", "vpp", "ep", "etp", "cp", "sequence_parallel", "first_stage_layers",
+                   "last_stage_layers", "pipeline_layout", "mtp_layers")
+
+
+def megatron_verdicts(specs: list[LaunchSpec]) -> list[dict[str, bool]]:
+    """{rule: ok} of the Megatron rules for each spec, under the Megatron-Core this process imports."""
+    return [{f.rule: f.ok for f in check_all(s, only=("megatron.",))} for s in specs]
+
+
+def _main() -> None:
+    """``python -m moerl.verl_ext.constraints`` reads [{"model": name, <MEGATRON_FIELDS>...}] as JSON
+    on stdin and prints the installed Megatron-Core version and each spec's Megatron verdicts: how
+    the test suite runs the same rules under the cluster's Megatron-Core in a separate environment."""
+    import json
+    import sys
+    from importlib.metadata import version
+
+    import megatron.core
+
+    items = json.load(sys.stdin)
+    specs = [LaunchSpec(model=planner.load_public_config(d["model"]), **{k: d[k] for k in MEGATRON_FIELDS if k in d})
+             for d in items]
+    ver = getattr(megatron.core, "__version__", None) or version("megatron-core")
+    print(json.dumps({"megatron_core": ver, "verdicts": megatron_verdicts(specs)}))
+
+
+if __name__ == "__main__":
+    _main()

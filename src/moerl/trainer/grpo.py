@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ExperimentConfig
+from moerl.config import ExperimentConfig, resolved_threads
 from moerl.data import load_splits
 from moerl.lora.peft_lora import apply_lora
 from moerl.refit import make_refitter
@@ -89,7 +89,7 @@ def _chunks(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(resolved_threads(cfg))
         torch.manual_seed(cfg.seed)
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.train_rows, self.test_rows = load_splits(cfg.data)

@@ -220,7 +220,8 @@ class TrainerConfig:
 
 @dataclass
 class TrackingConfig:
-    output_dir: str = "results/runs"
+    # runs/ is gitignored; the recorded ablation lives in results/runs and is written only on request.
+    output_dir: str = "runs"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "moerl"
     wandb_entity: str | None = None
@@ -273,7 +274,7 @@ def resolved_threads(cfg: ExperimentConfig) -> int:
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
 # run's identity (a resumed run may use other threads or another wandb mode).
-OPERATIONAL_KEYS = ("threads", "tracking", "variant", "trainer.checkpoint_every")
+OPERATIONAL_KEYS = ("threads", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict:

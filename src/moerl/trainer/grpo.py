@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from moerl.config import ExperimentConfig, resolved_threads
-from moerl.data import load_splits
+from moerl.data import DataError, load_splits
 from moerl.lora.peft_lora import apply_lora
 from moerl.refit import make_refitter
 from moerl.replay.session import routing_session
@@ -96,6 +96,9 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.train_rows, self.test_rows = load_splits(cfg.data)
+        if not self.test_rows:  # before the run directory exists: a pass@1 of 0.0 on nothing is a lie
+            raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
+                            f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
         self.policy = apply_lora(base, cfg.lora, cfg.model.preset)

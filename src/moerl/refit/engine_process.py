@@ -73,7 +73,7 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
                     receiver.stage(version, index, slots[slot], expected)
                     conn.send(("ok", index))
                 except RefitError as err:
-                    conn.send(("refit_error", type(err).__name__, str(err)))
+                    conn.send(("refit_error", type(err).__name__, str(err), index))
                 continue
             if op == "plan":
                 _, plan, slots = msg
@@ -184,14 +184,23 @@ class EngineProcess:
         self._pending.append(index)
 
     def _read_ack(self) -> None:
-        reply = self._recv(f"bucket {self._pending[0]}")
-        self._pending.pop(0)
+        """One bucket's acknowledgement, matched by the bucket index it carries (not by arrival
+        order: a bucket lost on the way must not make the next one's ack look like its own)."""
+        reply = self._recv(f"bucket(s) {self._pending}")
+        index = reply[1] if reply[0] == "ok" else reply[3]
+        self._pending.remove(index) if index in self._pending else self._pending.pop(0)
         if reply[0] == "refit_error":
             self._errors.append((reply[1], reply[2]))
 
     def commit(self, version: int) -> int:
-        while self._pending:
-            self._read_ack()
+        try:
+            while self._pending:
+                self._read_ack()
+        except TimeoutError:
+            lost, self._pending, self._errors = list(self._pending), [], []
+            raise RefitError(f"refit {version}: bucket(s) {lost} sent but never acknowledged by the engine process "
+                             f"within {self.timeout:.0f} s (lost on the way); nothing committed, the engine keeps "
+                             f"the previous weights") from None
         errors, self._errors = self._errors, []
         self._conn.send(("commit", version))
         reply = self._recv("commit")

@@ -54,6 +54,9 @@ def run(args) -> dict | None:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
         if not args.fresh:
             raise UsageError(f"{run_dir} already holds a run: pass --resume to continue it or --fresh to move it aside")
+        from moerl.trainer.grpo import check_splits
+
+        check_splits(cfg)  # bad data fails before the previous run is moved aside
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         print(f"moved the previous run to {aside}")

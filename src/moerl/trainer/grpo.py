@@ -94,11 +94,8 @@ class GRPOTrainer:
             saved = resumable_checkpoint(self.run_dir, cfg)
         torch.set_num_threads(resolved_threads(cfg))
         torch.manual_seed(cfg.seed)
+        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
-        self.train_rows, self.test_rows = load_splits(cfg.data)
-        if not self.test_rows:  # before the run directory exists: a pass@1 of 0.0 on nothing is a lie
-            raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
-                            f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
         self.policy = apply_lora(base, cfg.lora, cfg.model.preset)
@@ -362,6 +359,16 @@ class GRPOTrainer:
                 "reward_first10": float(np.mean([r["reward/mean"] for r in train[:10]])) if train else None,
                 "reward_last10": float(np.mean([r["reward/mean"] for r in train[-10:]])) if train else None,
                 **{f"mean/{k}": mean_of(k) for k in keys}}
+
+
+def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
+    """The task's (train, test) rows, or a DataError naming the file: a run needs both (a pass@1
+    of 0.0 measured on no test rows would be reported as a result)."""
+    train, test = load_splits(cfg.data)
+    if not test:
+        raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
+                        f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
+    return train, test
 
 
 def _group_solved(batch: RolloutBatch) -> float:

@@ -3,6 +3,7 @@ compare the resumed run with an uninterrupted one: every metric row except wall-
 the final LoRA weights, optimizer state, sampler position and token samples, bit for bit."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -19,6 +20,22 @@ RUN = REPO / "scripts" / "run.py"
 ARM = REPO / "experiments" / "00_tiny_moe_cpu" / "arms" / "baseline.yaml"
 # Wall-clock measurements: the only logged values allowed to differ between two runs.
 TIMING_KEYS = ("time/", "refit/seconds")
+
+
+_spec = importlib.util.spec_from_file_location("moerl_run_script", RUN)
+run_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_script)
+
+
+def fails_with(argv: list[str]) -> str:
+    """The one-line message scripts/run.py exits with (SystemExit carrying a string: no traceback)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as err:
+        run_script.main(argv)
+    message = err.value.code
+    assert isinstance(message, str) and "\n" not in message and "Traceback" not in message, message
+    return message
 
 
 def overrides(out: Path, steps: int = 4, extra: tuple[str, ...] = ()) -> list[str]:

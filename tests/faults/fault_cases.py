@@ -77,11 +77,13 @@ CASES = [
     # -- refit ------------------------------------------------------------------------------------
     Case("a corrupted / truncated refit bucket (in-process and engine-process)",
          "`refit N: bucket i of n failed its checksum ...; keeping the previous weights`",
-         "the engine's previous weights; the next clean refit applies", "test_refit_faults.py::test_refit_bucket_faults"),
-    Case("refit buckets arriving out of order", "nothing", "the same weights as in order",
-         "test_refit_faults.py::test_refit_bucket_faults"),
-    Case("a dropped refit bucket", "`refit N: bucket(s) [i] ... never arrived` / `never acknowledged` "
-         "(the missing one)", "the engine's previous weights", "test_refit_faults.py::test_refit_bucket_faults"),
+         "the engine's previous weights; the next clean refit applies",
+         "test_refit_faults.py::test_refit_bucket_faults_in_process"),
+    Case("refit buckets arriving out of order (both modes)", "nothing", "the same weights as in order",
+         "test_refit_faults.py::test_refit_bucket_faults_in_process"),
+    Case("a dropped refit bucket (both modes)", "`refit N: ... bucket(s) [i] ... never arrived` (in-process) / "
+         "`... never acknowledged by the engine process` (the missing one, not the next)", "the engine's previous weights",
+         "test_refit_faults.py::test_refit_bucket_faults_engine_process"),
     # -- disk -------------------------------------------------------------------------------------
     Case("a full disk during a checkpoint (a 1 MiB tmpfs where the platform allows, else the writer "
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "

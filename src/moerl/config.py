@@ -456,7 +456,7 @@ def deep_merge(base: dict, over: dict) -> dict:
     """``over`` merged into ``base`` recursively (mappings merge, everything else replaces)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(over)), resolve=True)
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(over)), resolve=False)
 
 
 def _layers_with_bases(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
@@ -479,7 +479,7 @@ def parse_override(item: str) -> dict:
     if "=" not in item or item.startswith("="):
         raise ConfigError(f"override '{item}': expected key.path=value")
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError(f"override '{item}': {' '.join(str(err).split())}") from None
 
@@ -512,6 +512,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     A ConfigError names the layer that set the offending key: the base file, the arm file or the
     command-line override."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     layers: list[tuple[str, dict]] = _layers_with_bases(Path(path)) if path is not None else []
     parsed = [(item, parse_override(item)) for item in overrides or []]
     layers += [(f"command-line override '{item}'", data) for item, data in parsed]
@@ -521,6 +524,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             merged = deep_merge(merged, data)
         except Exception as err:  # noqa: BLE001 - OmegaConf type clashes (a mapping over a value)
             raise ConfigError(f"{source}: {' '.join(str(err).split())}") from None
+    try:  # ${a.b} interpolations resolve against the merged layers
+        merged = OmegaConf.to_container(OmegaConf.create(merged), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{layers[-1][0] if layers else 'config'}: {' '.join(str(err).split())}") from None
     variant = _variant(parsed)
     if variant and not any(_has_key(d, "variant") for _, d in parsed):
         merged["variant"] = "+".join(v for v in (merged.get("variant"), variant) if v)

@@ -223,3 +223,30 @@ def test_one_real_tiny_run_through_the_sweep(tmp_path, capsys):
 
     assert load_run(out, "00_tiny_moe_cpu", run.parent.name, 0)["routing/agreement"].notna().any()
     assert sweep.main(argv) == 0 and "skipped (finished)" in capsys.readouterr().out
+
+
+def test_sweep_refuses_runs_of_another_config_and_names_override_runs(tmp_path, capsys):
+    from moerl.config import load_config, to_dict
+    import yaml
+
+    out = tmp_path / "runs"
+    plain = load_config(EXP_DIR / "arms" / "tis.yaml", [f"tracking.output_dir={out}"])
+    plain.run_dir.mkdir(parents=True)
+    (plain.run_dir / "summary.json").write_text("{}")
+    (plain.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plain)))
+    # an override is a run of its own: the finished plain arm is neither skipped for it nor resumed
+    _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}", "loss.tis_cap=3.0"], 1)
+    assert [(j.arm, j.action) for j in jobs] == [("tis+loss.tis_cap=3.0", "fresh")]
+    assert jobs[0].run_dir == str(out / "00_tiny_moe_cpu" / "tis+loss.tis_cap=3.0" / "seed0")
+    _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}"], 1)
+    assert [(j.arm, j.action) for j in jobs] == [("tis", "skip")]
+    # the arm file changed since the run was recorded: neither skipped nor resumed, the keys named
+    recorded = to_dict(plain)
+    recorded["loss"]["tis_cap"] = 5.0
+    (plain.run_dir / "config.yaml").write_text(yaml.safe_dump(recorded))
+    with pytest.raises(SystemExit, match=r"holds a run of another config, cannot skip it \(loss.tis_cap: 5.0 -> 2.0\)"):
+        sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}"], 1)
+    # errors are one line; --debug shows the traceback
+    with pytest.raises(SystemExit, match=r"^holds|holds a run of another config") as err:
+        sweep.main([str(EXP_DIR), "--seed-list", "0", "--arms", "tis", "--output-dir", str(out), "--dry-run"])
+    assert "\n" not in str(err.value)

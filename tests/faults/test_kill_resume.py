@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from fault_fixtures import reference_run  # noqa: F401 - fixtures
 from kill_harness import assert_identical_runs, run_dir, run_with_kills, seeded_schedule
 
 

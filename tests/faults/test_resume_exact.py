@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import Killed
+from fault_fixtures import Killed, kill_at, reference_run  # noqa: F401 - fixtures
 from kill_harness import assert_identical_runs, logged_rows, overrides
 from moerl.config import load_config
 from moerl.trainer.checkpoint import checkpoint_dirs, incomplete_dirs, save_checkpoint

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_fixtures import reference_run  # noqa: F401 - fixtures
 from kill_harness import REPO, fails_with, overrides, run_script
 from moerl.config import identity_dict, load_config
 

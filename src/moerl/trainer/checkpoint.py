@@ -120,6 +120,9 @@ def resumable_checkpoint(run_dir: Path, cfg) -> Path:
     from moerl.tracking import check_same_config
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run to resume (its name carries the overrides that change it); "
+                              f"start it without --resume")
     if (run_dir / "summary.json").exists():
         raise RunFinishedError(f"{run_dir} is finished (summary.json); nothing to resume "
                                f"(--fresh moves it aside and starts over)")

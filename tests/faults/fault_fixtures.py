@@ -1,4 +1,5 @@
-"""Fixtures of the fault suite: a simulated kill (in-process) and the uninterrupted reference run."""
+"""Fixtures of the fault suite (imported by its test files; a conftest.py here would shadow
+tests/conftest.py, which tests import by name): a simulated kill and the uninterrupted reference run."""
 from __future__ import annotations
 
 import pytest
@@ -29,13 +30,18 @@ def kill_at(monkeypatch):
     return arm
 
 
+_REFERENCE: dict = {}  # one reference run per session, whichever module asks first
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """A 4-step run from the committed warm start, never interrupted."""
-    from kill_harness import overrides
-    from moerl.config import load_config
-    from moerl.trainer.grpo import GRPOTrainer
+    if "run" not in _REFERENCE:
+        from kill_harness import overrides
+        from moerl.config import load_config
+        from moerl.trainer.grpo import GRPOTrainer
 
-    cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", overrides(tmp_path_factory.mktemp("ref")))
-    GRPOTrainer(cfg, cfg.run_dir, progress=False).train()
-    return cfg.run_dir
+        cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", overrides(tmp_path_factory.mktemp("ref")))
+        GRPOTrainer(cfg, cfg.run_dir, progress=False).train()
+        _REFERENCE["run"] = cfg.run_dir
+    return _REFERENCE["run"]

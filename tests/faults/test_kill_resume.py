@@ -27,4 +27,6 @@ def test_killed_run_resumes_identically(tmp_path, reference_run):
 def test_kill_schedules(tmp_path, reference_run, schedule):
     codes = run_with_kills(tmp_path, schedule)
     assert codes[-1] == 0 and all(c in (0, -signal.SIGKILL) for c in codes)
+    if schedule[0] == "step:2":  # the hand-made schedule reaches every point: each kill happens
+        assert codes == [-signal.SIGKILL] * 5 + [0]
     assert_identical_runs(reference_run, run_dir(tmp_path))

@@ -89,6 +89,9 @@ CASES = [
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "
          "kept <previous checkpoint>; free space and continue with --resume`",
          "the previous checkpoint; no temp directory", "test_disk_full.py::test_full_disk_during_a_checkpoint"),
+    Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)", "`could not append step N to <run>/metrics.jsonl "
+         "(No space left on device); rows up to the last checkpoint resume with --resume`",
+         "every row up to the last checkpoint", "test_disk_full.py::test_full_disk_while_logging_a_row"),
 ]
 
 

@@ -82,3 +82,65 @@ def test_full_disk_during_a_checkpoint(tmp_path, monkeypatch):
     assert result["error"].endswith(f"kept {root}/step_1; free space and continue with --resume")
     listing = result["listing"]
     assert listing[:3] == [".", "..", "step_1"] and "state.json" in listing and not any(".tmp" in n for n in listing)
+
+
+LOG_SCRIPT = r'''
+import json, os, sys
+from pathlib import Path
+from moerl.config import load_config
+from moerl.tracking import Tracker
+run = Path(sys.argv[1]) / "run"
+tracker = Tracker(run, load_config(None, ["tracking.wandb_mode=disabled"]))
+tracker.log({"step": 6})
+fd = os.open(Path(sys.argv[1]) / "filler", os.O_WRONLY | os.O_CREAT)  # fill the rest of the disk
+for chunk in (b"x" * 4096, b"x"):
+    try:
+        while True:
+            os.write(fd, chunk)
+    except OSError:
+        pass
+os.close(fd)
+try:  # a row larger than the page the file already holds (real rows carry ~100 metrics)
+    tracker.log({"step": 7, **{f"metric/{i}": 0.5 for i in range(1000)}})
+    print(json.dumps({"error": None}))
+except OSError as err:
+    print(json.dumps({"error": str(err), "metrics": str(run / "metrics.jsonl")}))
+'''
+
+
+def test_full_disk_while_logging_a_row(tmp_path, monkeypatch):
+    """A full disk when a metric row is appended: the error names the file and the step."""
+    result = None
+    if shutil.which("unshare") is not None:
+        mnt = tmp_path / "small"
+        mnt.mkdir()
+        (tmp_path / "log.py").write_text(LOG_SCRIPT)
+        proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {mnt} && "
+                               f"{sys.executable} {tmp_path / 'log.py'} {mnt}"], capture_output=True, text=True,
+                              timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
+                                                "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+        if proc.returncode == 0:
+            result = json.loads(proc.stdout.splitlines()[-1])
+        else:
+            assert not proc.stdout.strip() and ("unshare" in proc.stderr or "mount" in proc.stderr), proc.stderr
+    if result is None:  # no mount namespace: the file handle fails as a full disk does
+        import errno
+
+        from moerl.config import load_config
+        from moerl.tracking import Tracker
+
+        run = tmp_path / "run"
+        tracker = Tracker(run, load_config(None, ["tracking.wandb_mode=disabled"]))
+
+        class Full:
+            def write(self, text):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(tracker, "_fh", Full())
+        try:
+            tracker.log({"step": 7})
+            result = {"error": None}
+        except OSError as err:
+            result = {"error": str(err), "metrics": str(run / "metrics.jsonl")}
+    assert result["error"] is not None and result["error"].startswith(
+        f"[Errno 28] could not append step 7 to {result['metrics']} (No space left on device)"), result

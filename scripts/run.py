@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     ap.add_argument("--fresh", action="store_true", help="rename an existing run directory aside and start over")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config and its run directory, then exit")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config and its run directory, then exit")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     return ap.parse_intermixed_args(argv)  # options may follow the overrides

@@ -146,7 +146,8 @@ def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monke
     assert len(calls) == 2 and calls[0].startswith("deepseek_v3-") and calls[1].startswith("qwen3_moe-")
     assert "2 warm-start checkpoint(s) to train first" in text
     assert "FAILED (rc 3" in text and f"tis{v}-seed0.log" in text and "arm | seed | action | status | seconds" in text
-    calls = {(a, s): [json.loads(x) for x in (exp_out / f"{a}{v}" / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
+    calls = {(a, s): [json.loads(x)
+                      for x in (exp_out / f"{a}{v}" / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
              for a in ("baseline", "r3", "tis", "deepseek_r3") for s in (0, 1)}
     assert calls[("r3", 1)][0]["action"] == "--resume" and calls[("r3", 0)][0]["action"] == "--fresh"
     cores = sweep.usable_cores()

@@ -74,6 +74,9 @@ CASES = [
     Case("an expert id out of range at batch sample 200 (micro-batches of 128)",
          "`sample 200, token ..., layer ...: expert id 9 out of range [0, 8)`", "the step is not taken",
          "test_bad_input.py::test_trace_errors_name_the_batch_sample"),
+    Case("under strict replay, other experts than the trace's for batch sample 200 (a foreign hook, shuffled "
+         "micro-batch)", "`layer L, sample 200, token 0: experts received [...] but the replayed trace says [...]`",
+         "the step is not taken", "test_bad_input.py::test_replay_violation_names_the_batch_sample"),
     # -- refit ------------------------------------------------------------------------------------
     Case("a corrupted / truncated refit bucket (in-process and engine-process)",
          "`refit N: bucket i of n failed its checksum ...; keeping the previous weights`",
@@ -82,14 +85,16 @@ CASES = [
     Case("refit buckets arriving out of order (both modes)", "nothing", "the same weights as in order",
          "test_refit_faults.py::test_refit_bucket_faults_in_process"),
     Case("a dropped refit bucket (both modes)", "`refit N: ... bucket(s) [i] ... never arrived` (in-process) / "
-         "`... never acknowledged by the engine process` (the missing one, not the next)", "the engine's previous weights",
+         "`... never acknowledged by the engine process` (the missing one, not the next)",
+         "the engine's previous weights",
          "test_refit_faults.py::test_refit_bucket_faults_engine_process"),
     # -- disk -------------------------------------------------------------------------------------
     Case("a full disk during a checkpoint (a 1 MiB tmpfs where the platform allows, else the writer "
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "
          "kept <previous checkpoint>; free space and continue with --resume`",
          "the previous checkpoint; no temp directory", "test_disk_full.py::test_full_disk_during_a_checkpoint"),
-    Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)", "`could not append step N to <run>/metrics.jsonl "
+    Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)",
+         "`could not append step N to <run>/metrics.jsonl "
          "(No space left on device); rows up to the last checkpoint resume with --resume`",
          "every row up to the last checkpoint", "test_disk_full.py::test_full_disk_while_logging_a_row"),
 ]

@@ -95,3 +95,38 @@ def test_trace_errors_name_the_batch_sample():
     mini = order[(order == 200).nonzero()[0, 0] // 64 * 64:][:64]  # the shuffled micro-batch holding 200
     with pytest.raises(TraceError, match=r"^sample 200, token 3"):
         trace[mini].truncate_tokens(t - 1)
+
+
+def test_replay_violation_names_the_batch_sample():
+    """A strict replay that finds other experts than the trace's names the sample of the batch."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "replay"))
+    from replay_helpers import random_ids, random_trace, small_model
+    from moerl.models.routers import find_moe_layers
+    from moerl.replay.diagnostics import ReplayViolation
+    from moerl.replay.session import routing_session
+
+    model = small_model("qwen3_moe")
+    layers = find_moe_layers(model)
+    numbers = tuple(x.layer_number for x in layers)
+    batch = random_trace(256, 6, numbers, layers[0].num_experts, layers[0].top_k, seed=1,
+                         valid=torch.ones(256, 6, dtype=torch.bool))
+    rows = torch.tensor([31, 200, 7, 64])  # a shuffled micro-batch; sample 200 sits at position 1
+    ids = random_ids(4, 6)
+
+    def foreign(module, args):  # another hook rewrites the experts of position 1 after the replay chose them
+        index = args[1].clone().view(4, 6, -1)
+        index[1] = (index[1] + 1) % layers[0].num_experts
+        return (args[0], index.view(args[1].shape), *args[2:])
+
+    with pytest.raises(ReplayViolation, match=rf"^layer {numbers[0]}, sample 200, token 0: experts received"):
+        with torch.no_grad(), routing_session(model, ids.shape, replay=batch[rows], strict=True):
+            # registered after the session's hooks, so it sees (and changes) what the replay passed on
+            hooks = [x.block.experts.register_forward_pre_hook(foreign) for x in layers]
+            try:
+                model(ids)
+            finally:
+                for h in hooks:
+                    h.remove()

@@ -6,8 +6,10 @@ import signal
 
 import pytest
 
-from fault_fixtures import reference_run  # noqa: F401 - fixtures
+import fault_fixtures
 from kill_harness import assert_identical_runs, run_dir, run_with_kills, seeded_schedule
+
+reference_run = fault_fixtures.reference_run  # the fixture, bound here so pytest finds it
 
 
 def test_killed_run_resumes_identically(tmp_path, reference_run):

@@ -7,11 +7,15 @@ import json
 import pytest
 import torch
 
-from fault_fixtures import Killed, kill_at, reference_run  # noqa: F401 - fixtures
+import fault_fixtures
+from fault_fixtures import Killed
 from kill_harness import assert_identical_runs, logged_rows, overrides
 from moerl.config import load_config
 from moerl.trainer.checkpoint import checkpoint_dirs, incomplete_dirs, save_checkpoint
 from moerl.trainer.grpo import GRPOTrainer
+
+kill_at = fault_fixtures.kill_at  # the fixture, bound here so pytest finds it
+reference_run = fault_fixtures.reference_run  # the fixture, bound here so pytest finds it
 
 ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fault_fixtures import reference_run  # noqa: F401 - fixtures
+import fault_fixtures
 from kill_harness import REPO, fails_with, overrides, run_script
 from moerl.config import identity_dict, load_config
+
+reference_run = fault_fixtures.reference_run  # the fixture, bound here so pytest finds it
 
 ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
 

@@ -69,7 +69,8 @@ class RoutingTrace:
                 row = bad.flatten(1).any(1).nonzero()[0, 0]
                 sample, token = (int(x) for x in valid.nonzero()[row])
                 col = int(bad[row].any(-1).nonzero()[0, 0])
-                raise TraceError(f"sample {self.sample(sample)}, token {token}, layer {self.moe_layers[col]}: expert id "
+                raise TraceError(f"sample {self.sample(sample)}, token {token}, layer {self.moe_layers[col]}: "
+                                 f"expert id "
                                  f"{int(used[row, col][bad[row, col]][0])} out of range [0, {self.num_experts})")
             srt = used.sort(dim=-1).values
             dup = (srt[..., 1:] == srt[..., :-1]).flatten(1).any(1)

@@ -1,9 +1,15 @@
 """Run one arm of an experiment (embedded path): warm start (cached), then LoRA GRPO.
 
-    python scripts/run.py experiments/00_tiny_moe_cpu/arms/baseline.yaml [--seed 1] [--resume] [key=value ...]
+    python scripts/run.py experiments/00_tiny_moe_cpu/arms/baseline.yaml [--seed 1] [--resume | --fresh]
+                          [--print-config] [--debug] [key=value ...]
 
-The run directory is <tracking.output_dir>/<experiment>/<arm>/seed<k>. An existing run is never
-overwritten: continue it with --resume, or move it aside with --fresh (renamed, not deleted).
+The run directory is <tracking.output_dir>/<experiment>/<arm>[+<overrides>]/seed<k> (default
+output: runs/, which git ignores; the recorded ablation in results/runs is never written to unless
+asked for). Overrides that change what the run computes are part of its name, so they never land
+in another run's directory. An existing run is never overwritten: continue it with --resume (only
+with the config it was started with), or move it aside with --fresh (renamed, not deleted).
+
+Errors are one line naming the file, key or run and what to do; --debug shows the traceback.
 """
 from __future__ import annotations
 
@@ -12,41 +18,89 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
-
-from moerl.config import ConfigError, load_config
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", help="an arm YAML, e.g. experiments/00_tiny_moe_cpu/arms/baseline.yaml")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     ap.add_argument("--fresh", action="store_true", help="rename an existing run directory aside and start over")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config and its run directory, then exit")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_intermixed_args(argv)  # options may follow the overrides
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    return ap.parse_intermixed_args(argv)  # options may follow the overrides
+
+
+def run(args) -> dict | None:
+    from moerl.config import config_hash, config_yaml, load_config
+
+    if args.resume and args.fresh:
+        raise UsageError("--resume and --fresh contradict each other: --resume continues the run, "
+                         "--fresh moves it aside and starts over; pass one")
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
-    run_dir = Path(cfg.tracking.output_dir) / cfg.experiment / cfg.arm / f"seed{cfg.seed}"
+    cfg = load_config(args.config, overrides)
+    run_dir = cfg.run_dir
+    if args.print_config:
+        print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg)}", end="")
+        return None
+    if (run_dir / "summary.json").exists() and not args.fresh:
+        from moerl.tracking import check_same_config
+
+        check_same_config(run_dir, cfg, "skip")
+        print(f"{run_dir} is finished (summary.json): nothing to do (--fresh moves it aside and starts over)")
+        return json.loads((run_dir / "summary.json").read_text())
     if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
         if not args.fresh:
-            sys.exit(f"{run_dir} already holds a run: pass --resume to continue it or --fresh to move it aside")
+            raise UsageError(f"{run_dir} already holds a run: pass --resume to continue it or --fresh to move it aside")
+        from moerl.trainer.grpo import check_splits
+
+        check_splits(cfg)  # bad data fails before the previous run is moved aside
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         print(f"moved the previous run to {aside}")
 
     from moerl.trainer.grpo import GRPOTrainer
 
+    print(f"{'resuming' if args.resume else 'writing'} {run_dir} (config hash {config_hash(cfg)})", flush=True)
     trainer = GRPOTrainer(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    sync_dir = trainer.tracker.wandb_sync_dir
     summary = trainer.train()
     print(json.dumps({k: summary[k] for k in ("run", "steps", "warm_start_accuracy", "initial_eval", "final_eval",
                                              "reward_first10", "reward_last10")}, indent=2))
+    print(f"run directory: {run_dir}")
+    if sync_dir is not None:
+        print(f"wandb (offline): upload with `wandb sync {sync_dir}`")
     return summary
+
+
+class UsageError(Exception):
+    """Contradictory or impossible command-line requests."""
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.debug:
+        return run(args)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        sys.exit("interrupted; continue with --resume")
+    except Exception as err:  # noqa: BLE001 - one actionable line for the user; --debug for the traceback
+        sys.exit(one_line_error(err))
+
+
+def one_line_error(err: BaseException) -> str:
+    from moerl.config import ConfigError
+
+    kind = "config error" if isinstance(err, ConfigError) else "error"
+    text = " ".join(str(err).split()) or type(err).__name__
+    if not isinstance(err, (ConfigError, UsageError)) and type(err).__module__.split(".")[0] != "moerl":
+        text = f"{type(err).__name__}: {text}"
+    return f"{kind}: {text} (--debug shows the traceback)"
 
 
 if __name__ == "__main__":

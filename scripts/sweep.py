@@ -1,10 +1,13 @@
 """Run every arm x seed of an experiment: several processes at a time on one machine, or as Ray tasks.
 
     python scripts/sweep.py experiments/00_tiny_moe_cpu --seeds 3 [--arms a,b] [--jobs N] [--ray]
-                            [--output-dir results/runs] [key=value ...]
+                            [--output-dir runs] [--debug] [key=value ...]
 
+Overrides that change what the runs compute are part of each run's name
+(``<arm>+loss.tis_cap=3.0/seed0``), so they never skip or resume the runs of the plain arms.
 Resumable: a run whose directory holds summary.json is skipped; one with a checkpoint is continued
-with ``run.py --resume``; anything else starts with ``run.py --fresh`` (a partial directory without a
+with ``run.py --resume``; either only if the run was recorded with the same config (the keys that
+differ are named otherwise); anything else starts with ``run.py --fresh`` (a partial directory without a
 checkpoint is moved aside, never deleted). Each of the N concurrent runs gets
 ``threads = max(1, cores // N)`` (torch threads and OMP/MKL env), so N runs share the machine
 instead of oversubscribing it. Every run writes a log to ``<output>/<experiment>/sweep_logs/``.
@@ -55,10 +58,9 @@ class Result:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    from moerl.config import usable_cores as cores
+
+    return cores()
 
 
 def threads_per_job(cores: int, jobs: int) -> int:
@@ -116,6 +118,7 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
     """Resolve every arm x seed through the config loader (so a bad override fails before anything
     runs) and decide what each run needs. Returns (experiment name, experiment output dir, jobs)."""
     from moerl.config import ConfigError, load_config
+    from moerl.tracking import RunMismatchError, check_same_config
 
     jobs, experiment, out_dir = [], None, None
     for arm, path in discover_arms(experiment_dir, arms).items():
@@ -128,18 +131,24 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
                 experiment, out_dir = cfg.experiment, Path(cfg.tracking.output_dir) / cfg.experiment
             elif cfg.experiment != experiment:
                 raise SystemExit(f"{path}: experiment is {cfg.experiment!r}, the other arms say {experiment!r}")
-            run_dir = out_dir / cfg.arm / f"seed{cfg.seed}"
+            run_dir = cfg.run_dir
             action = decide(run_dir)
+            if action != "fresh":
+                try:
+                    check_same_config(run_dir, cfg, action)
+                except RunMismatchError as err:
+                    raise SystemExit(str(err)) from None
             warm = None
             if cfg.warm_start.enabled and action != "skip":
                 from moerl.trainer.warm_start import warm_start_dir
 
                 ws_dir = warm_start_dir(cfg)
                 warm = None if (ws_dir / "meta.json").exists() else str(ws_dir)
-            log = out_dir / "sweep_logs" / f"{cfg.arm}-seed{cfg.seed}.log"
+            name = run_dir.parent.name  # the arm, plus the overrides that change it
+            log = out_dir / "sweep_logs" / f"{name}-seed{cfg.seed}.log"
             cmd = [] if action == "skip" else build_command(python, str(path), seed, action, threads, overrides,
                                                             run_script)
-            jobs.append(Job(cfg.arm, seed, str(path), str(run_dir), action, str(log), cmd, warm))
+            jobs.append(Job(name, seed, str(path), str(run_dir), action, str(log), cmd, warm))
     return experiment, out_dir, jobs
 
 
@@ -245,6 +254,19 @@ def record(out_dir: Path, entry: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    if debug:
+        return sweep(argv)
+    try:
+        return sweep(argv)
+    except SystemExit:
+        raise
+    except Exception as err:  # noqa: BLE001 - one actionable line; --debug shows the traceback
+        raise SystemExit(f"sweep error: {type(err).__name__}: {' '.join(str(err).split())} "
+                         f"(--debug shows the traceback)") from None
+
+
+def sweep(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment_dir", help="e.g. experiments/00_tiny_moe_cpu (arms in <dir>/arms/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides passed to every run")
@@ -253,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=None, help="comma-separated subset of arms (default: all)")
     ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the number of cores)")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default max(1, cores // jobs))")
-    ap.add_argument("--output-dir", default=None, help="tracking.output_dir for every run (default: the config's)")
+    ap.add_argument("--output-dir", default=None, help="tracking.output_dir for every run (default: the config's, runs/)")
     ap.add_argument("--ray", action="store_true", help="run as Ray tasks (RAY_ADDRESS, or a local Ray)")
     ap.add_argument("--run-script", default=str(RUN_SCRIPT), help=argparse.SUPPRESS)  # tests: a stand-in run.py
     ap.add_argument("--warm-start-script", default=str(WARM_START_SCRIPT), help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = ap.parse_intermixed_args(argv)
 
     seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))

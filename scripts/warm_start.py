@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from moerl.config import load_config
+from moerl.config import load_config, resolved_threads
 from moerl.trainer.warm_start import train_warm_start, warm_start_dir
 
 
@@ -22,7 +22,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_config(args.config, args.overrides)
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(resolved_threads(cfg))
     path = warm_start_dir(cfg)
     if (path / "meta.json").exists() and not args.force:
         print(f"cached warm start exists: {path} (use --force to retrain)")

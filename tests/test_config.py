@@ -35,7 +35,7 @@ def test_wrong_types_and_literals_are_rejected():
         load_config(None, ["rollout.dtype=fp8"])
     with pytest.raises(ConfigError, match="trainer.steps: expected an integer"):
         load_config(None, ["trainer.steps=ten"])
-    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1 is out of range: allowed \[2, inf\)"):
         load_config(None, ["rollout.group_size=1"])
 
 
@@ -49,3 +49,57 @@ def test_override_parsing():
     assert parse_override("loss.dual_clip_c=null") == {"loss": {"dual_clip_c": None}}
     cfg = load_config(None, ["trainer.lr=3e-4", "seed=3"])
     assert isinstance(cfg, ExperimentConfig) and cfg.trainer.lr == 3e-4 and cfg.seed == 3
+
+
+def test_every_numeric_field_declares_its_range():
+    from moerl.config import numeric_fields
+
+    fields = numeric_fields()
+    assert len(fields) > 50
+    missing = [key for key, f in fields if "range" not in f.metadata]
+    assert not missing, f"numeric config fields without a declared range (use num(...)): {missing}"
+
+
+def test_errors_name_the_file_that_holds_the_key(tmp_path):
+    base, arm = tmp_path / "base.yaml", tmp_path / "arm.yaml"
+    base.write_text("trainer:\n  stpes: 3\n")
+    arm.write_text("base: base.yaml\narm: a\n")
+    with pytest.raises(ConfigError, match=rf"^{base}: unknown config key 'trainer.stpes'"):
+        load_config(arm)
+    base.write_text("trainer:\n  steps: 3\n")
+    arm.write_text("base: base.yaml\ntrainer:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=rf"^{arm}: trainer.lr=-1.0 is out of range"):
+        load_config(arm)
+    arm.write_text("base: base.yaml\n")
+    with pytest.raises(ConfigError, match=r"^command-line override 'model.top_k=0': model.top_k=0 is out of range"):
+        load_config(arm, ["model.top_k=0"])
+
+
+def test_omegaconf_merging_and_dotlist_overrides():
+    cfg = load_config("experiments/00_tiny_moe_cpu/arms/r3.yaml",
+                      ["trainer.eval_every=${trainer.checkpoint_every}", "trainer.betas=[0.8,0.9]"])
+    assert cfg.trainer.eval_every == cfg.trainer.checkpoint_every == 10 and cfg.trainer.betas == (0.8, 0.9)
+    assert cfg.replay.mode == "R3" and cfg.rollout.dtype == "bf16"  # arm over base
+
+
+def test_threads_default_to_the_usable_cores():
+    import os
+
+    from moerl.config import resolved_threads
+
+    cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml")
+    assert cfg.threads is None and resolved_threads(cfg) == len(os.sched_getaffinity(0))
+    assert resolved_threads(load_config(None, ["threads=3"])) == 3
+
+
+def test_run_identity_and_name():
+    from moerl.config import config_diff, config_hash, identity_dict
+
+    plain = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml")
+    same = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml", ["threads=1", "tracking.output_dir=elsewhere"])
+    other = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml", ["loss.tis_cap=3.0"])
+    assert config_hash(plain) == config_hash(same) and same.run_name == "00_tiny_moe_cpu/tis/seed0"
+    assert config_hash(other) != config_hash(plain) and other.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap=3.0/seed0"
+    assert config_diff(identity_dict(plain), identity_dict(other)) == ["loss.tis_cap: 2.0 -> 3.0"]
+    many = load_config(None, [f"model.hidden_size={64 + i}" for i in range(8)])
+    assert len(many.variant) < 40 and many.variant.startswith("8overrides-")

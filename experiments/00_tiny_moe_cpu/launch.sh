@@ -2,6 +2,8 @@
 # Experiment 00 on CPU. Usage:
 #   experiments/00_tiny_moe_cpu/launch.sh                 # every arm x 3 seeds (resumable sweep)
 #   experiments/00_tiny_moe_cpu/launch.sh r3 [--seed 1]   # one arm
+# Runs go to runs/00_tiny_moe_cpu/ (gitignored); the recorded ablation in results/runs is not touched.
+# The sweep gives each of its 2 parallel runs half of the cores this process may use.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/../.."

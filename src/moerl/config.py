@@ -1,14 +1,21 @@
-"""Typed experiment config: YAML in, dataclasses out, unknown keys rejected with a hint.
+"""Typed experiment config: YAML in, dataclasses out, unknown keys and out-of-range values rejected.
 
 Every number a user may want to change lives here, not in code. An experiment is a base YAML plus
 one YAML per arm (``base: base.yaml`` at the top of an arm file pulls the base in), plus optional
-``key.path=value`` overrides from the command line. Merging is done by OmegaConf; validation is
-ours because OmegaConf's own error for a misspelt key does not suggest the key that was meant.
+``key.path=value`` overrides from the command line. OmegaConf merges the layers and parses the
+dot-list overrides; the schema check is ours, because OmegaConf's structured configs neither
+suggest the key that was meant for a typo nor say which file (base, arm or command line) holds the
+bad value. Every numeric field declares its allowed range next to its default (``num(...)``), and
+``tests/test_config.py`` fails for a numeric field that declares none.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -20,27 +27,59 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema; the message names file and key."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """Allowed interval of a numeric field; ``None`` bounds are open-ended."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    why: str = ""
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.open_high else value > self.high):
+            return False
+        return True
+
+    def describe(self) -> str:
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        interval = f"{'(' if self.open_low or self.low is None else '['}{low}, {high}" \
+                   f"{')' if self.open_high or self.high is None else ']'}"
+        return interval + (f"; {self.why}" if self.why else "")
+
+
+def num(default, low=None, high=None, *, open_low=False, open_high=False, why: str = ""):
+    """A numeric config field with its allowed range (checked when a config is loaded)."""
+    return field(default=default, metadata={"range": Range(low, high, open_low, open_high, why)})
+
+
 @dataclass
 class ModelConfig:
     """A tiny MoE built from a transformers config with random init (no download)."""
 
     preset: Literal["qwen3_moe", "deepseek_v3", "mixtral"] = "qwen3_moe"
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_experts: int = 8
-    top_k: int = 2
-    moe_intermediate_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
+    hidden_size: int = num(128, 1)
+    num_layers: int = num(4, 1)
+    num_experts: int = num(8, 1)
+    top_k: int = num(2, 1)
+    moe_intermediate_size: int = num(128, 1)
+    num_heads: int = num(4, 1)
+    num_kv_heads: int = num(2, 1)
+    head_dim: int = num(32, 1)
     # DeepSeek-V3 / Kimi-K2 family only: leading dense layers, shared experts, group-limited routing.
-    first_k_dense: int = 1
-    n_shared_experts: int = 1
-    n_group: int = 2
-    topk_group: int = 1
-    init_std: float = 0.02
+    first_k_dense: int = num(1, 0)
+    n_shared_experts: int = num(1, 0)
+    n_group: int = num(2, 1)
+    topk_group: int = num(1, 1)
+    init_std: float = num(0.02, 0, open_low=True)
     experts_implementation: Literal["grouped_mm", "eager", "batched_mm"] = "grouped_mm"
-    router_aux_loss_coef: float = 0.01
+    router_aux_loss_coef: float = num(0.01, 0)
     # Extra keys passed verbatim to the transformers config (escape hatch for ablations).
     overrides: dict = field(default_factory=dict)
 
@@ -54,12 +93,12 @@ class DataConfig:
     train_path: str | None = None
     test_path: str | None = None
     hub_id: str | None = None
-    train_size: int = 20000
-    test_size: int = 512
+    train_size: int = num(20000, 1)
+    test_size: int = num(512, 1)
     # Synthetic arithmetic ``a + b * c``: ranges of the operands.
-    max_a: int = 99
-    max_bc: int = 9
-    seed: int = 1234
+    max_a: int = num(99, 0)
+    max_bc: int = num(9, 0)
+    seed: int = num(1234, 0)
 
 
 @dataclass
@@ -67,9 +106,9 @@ class WarmStartConfig:
     """Supervised pre-training so GRPO starts from a policy with non-trivial accuracy."""
 
     enabled: bool = True
-    steps: int = 300
-    batch_size: int = 256
-    lr: float = 2e-3
+    steps: int = num(300, 0)
+    batch_size: int = num(256, 1)
+    lr: float = num(2e-3, 0, open_low=True)
     # Directory searched for a cached checkpoint (keyed by a hash of model config, task and seed).
     cache_dir: str = "results/warm_start"
 
@@ -80,25 +119,25 @@ class RolloutConfig:
 
     engine: Literal["hf", "vllm"] = "hf"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    prompts_per_step: int = 32
-    group_size: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    prompts_per_step: int = num(32, 1)
+    group_size: int = num(8, 2, why="GRPO normalises within a group")
+    max_new_tokens: int = num(8, 1)
+    temperature: float = num(1.0, 0, open_low=True)
+    top_p: float = num(1.0, 0, 1, open_low=True)
     # 0 disables top-k filtering (transformers' generate defaults to 50 otherwise).
-    top_k: int = 0
+    top_k: int = num(0, 0)
     capture_routing: bool = True
 
 
 @dataclass
 class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
+    rank: int = num(8, 1)
+    alpha: float = num(16.0, 0, open_low=True)
     target_attention: bool = True
     target_experts: bool = True
     # per_expert: PEFT target_parameters on the fused expert tensors; shared / shared_outer: see moerl.lora.
     expert_mode: Literal["per_expert", "shared", "shared_outer"] = "per_expert"
-    init_seed: int = 0
+    init_seed: int = num(0, 0)
 
 
 @dataclass
@@ -109,32 +148,32 @@ class LossConfig:
 
     variant: Literal["ppo_clip", "tis", "mis", "icepop", "gspo", "bypass"] = "ppo_clip"
     # PPO clip range [1 - eps_low, 1 + eps_high] on r (DAPO clip-higher: 0.2 / 0.28).
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = num(0.2, 0, 1, open_high=True, why="the clip floor is 1 - eps_low")
+    eps_high: float = num(0.28, 0)
     # Dual-clip constant c > 1 bounds the ratio for negative advantages; null disables it.
-    dual_clip_c: float | None = None
+    dual_clip_c: float | None = num(None, 1, open_low=True, why="null disables the dual clip")
     # token_mean (default, as DAPO and verl): every response token counts once, no length bias
     # towards short answers; seq_mean_token_mean (GRPO/GSPO papers); seq_sum_constant (Dr. GRPO).
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] = "token_mean"
     # Truncated IS (tis): weight min(rho, tis_cap); C=2 as in Yao et al. Also the cap of mis_token_tis.
-    tis_cap: float = 2.0
+    tis_cap: float = num(2.0, 0, open_low=True, why="C in min(rho, C); 2.0 is typical")
     # Level of the rho used by tis (token | sequence) and mis (token | sequence | geometric).
     is_level: Literal["token", "sequence", "geometric"] = "token"
     # Masked IS (mis): zero tokens/sequences whose rho falls outside [mis_lower, mis_upper].
-    mis_lower: float = 0.5
-    mis_upper: float = 2.0
+    mis_lower: float = num(0.5, 0)
+    mis_upper: float = num(2.0, 0, open_low=True)
     # Veto: drop a whole sequence if any token has rho below this (catastrophic token); null = off.
-    mis_veto: float | None = 1e-4
+    mis_veto: float | None = num(1e-4, 0, 1, open_low=True, open_high=True, why="null disables the veto")
     # mis with is_level=geometric: also weight kept tokens by min(rho_t, tis_cap) (Miles, verl
     # decoupled_geo_rs_token_tis); false = pure rejection (weight 1 on kept sequences).
     mis_token_tis: bool = False
     # IcePop: token mask outside [icepop_alpha, icepop_beta] (Ring-1T defaults 0.5 / 5).
-    icepop_alpha: float = 0.5
-    icepop_beta: float = 5.0
+    icepop_alpha: float = num(0.5, 0)
+    icepop_beta: float = num(5.0, 0, open_low=True)
     # GSPO: clip range of the sequence ratio (pi_theta/pi_old)^(1/|y|) (paper: 3e-4 / 4e-4).
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
-    entropy_coef: float = 0.0
+    gspo_eps_low: float = num(3e-4, 0, 1, open_high=True)
+    gspo_eps_high: float = num(4e-4, 0)
+    entropy_coef: float = num(0.0, 0)
 
 
 @dataclass
@@ -150,7 +189,7 @@ class ReplayConfig:
 class RefitConfig:
     # adapter: only LoRA tensors travel (engine keeps its base resident); merged: full merged weights.
     mode: Literal["adapter", "merged"] = "adapter"
-    bucket_mb: float = 4.0
+    bucket_mb: float = num(4.0, 0, open_low=True)
     # inprocess: the engine is a separate copy in this process; process: its own process, fed through
     # shared-memory buckets, as vLLM is fed by verl.
     engine: Literal["inprocess", "process"] = "inprocess"
@@ -158,30 +197,31 @@ class RefitConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 60
-    lr: float = 1e-3
+    steps: int = num(60, 1)
+    lr: float = num(1e-3, 0, open_low=True)
     # Linear learning-rate warm-up: Adam's first updates are sign-like at full lr, which on freshly
     # zero-initialised LoRA B matrices is a large, mostly random perturbation of the warm start.
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
+    warmup_steps: int = num(0, 0)
+    weight_decay: float = num(0.0, 0)
+    betas: tuple = field(default=(0.9, 0.999), metadata={"range": Range(0, 1, open_high=True), "length": 2})
     # Each step's rollouts are split into this many optimizer updates (PPO mini-batches).
-    mini_batches: int = 2
-    epochs: int = 1
-    micro_batch_size: int = 64
-    grad_clip: float = 1.0
+    mini_batches: int = num(2, 1)
+    epochs: int = num(1, 1)
+    micro_batch_size: int = num(64, 1)
+    grad_clip: float = num(1.0, 0, open_low=True)
     activation_checkpointing: bool = False
-    eval_every: int = 10
-    eval_size: int = 512
-    checkpoint_every: int = 10
+    eval_every: int = num(10, 0, why="0 evaluates only at the start and the end")
+    eval_size: int = num(512, 1)
+    checkpoint_every: int = num(10, 0, why="0 checkpoints only at the end")
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
-    samples_every: int = 10
-    samples_per_save: int = 2048
+    samples_every: int = num(10, 0, why="0 saves no token samples")
+    samples_per_save: int = num(2048, 1)
 
 
 @dataclass
 class TrackingConfig:
-    output_dir: str = "results/runs"
+    # runs/ is gitignored; the recorded ablation lives in results/runs and is written only on request.
+    output_dir: str = "runs"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "moerl"
     wandb_entity: str | None = None
@@ -192,8 +232,13 @@ class TrackingConfig:
 class ExperimentConfig:
     experiment: str = "00_tiny_moe_cpu"
     arm: str = "baseline"
-    seed: int = 0
-    threads: int = 2
+    seed: int = num(0, 0)
+    # Torch/OMP threads; null: the cores this process may use (os.sched_getaffinity), so two runs
+    # started side by side on a shared machine do not each claim every core.
+    threads: int | None = num(None, 1, why="null uses the cores this process may use")
+    # Command-line overrides that change the run (set by load_config): part of the run's name and
+    # directory, so an override never lands in, skips or resumes the run of the plain arm.
+    variant: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -207,7 +252,59 @@ class ExperimentConfig:
 
     @property
     def run_name(self) -> str:
-        return f"{self.experiment}/{self.arm}/seed{self.seed}"
+        return f"{self.experiment}/{self.arm}{'+' + self.variant if self.variant else ''}/seed{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        """``<tracking.output_dir>/<experiment>/<arm>[+<variant>]/seed<k>``."""
+        return Path(self.tracking.output_dir) / self.run_name
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which a scheduler or taskset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolved_threads(cfg: ExperimentConfig) -> int:
+    return cfg.threads if cfg.threads is not None else usable_cores()
+
+
+# Keys that change how a run is executed or recorded, never what it computes: left out of the
+# run's identity (a resumed run may use other threads or another wandb mode).
+OPERATIONAL_KEYS = ("threads", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+
+
+def identity_dict(cfg: ExperimentConfig) -> dict:
+    """The resolved config without OPERATIONAL_KEYS, flattened to ``{"a.b": value}``."""
+    flat = flatten(to_dict(cfg))
+    return {k: v for k, v in flat.items()
+            if not any(k == op or k.startswith(op + ".") for op in OPERATIONAL_KEYS)}
+
+
+def config_hash(cfg: ExperimentConfig) -> str:
+    """Short hash of the run's identity: two runs with the same hash compute the same thing."""
+    blob = json.dumps(identity_dict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def config_diff(a: dict, b: dict) -> list[str]:
+    """``key: a -> b`` for every flattened key whose value differs between two identity dicts."""
+    keys = sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value and key != "overrides":
+            out.update(flatten(value, path))
+        else:
+            out[path] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,13 +324,21 @@ def _closest(key: str, options: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else f" (valid keys: {', '.join(sorted(options))})"
 
 
+class ConfigKeyError(ConfigError):
+    """A ConfigError about one key: ``load_config`` prefixes the layer (file or override) that set it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check one leaf against its type hint, converting where YAML is looser than Python."""
     origin = get_origin(hint)
     if origin is Literal:
         allowed = get_args(hint)
         if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
+            raise ConfigKeyError(where, f"{where}: {value!r} is not one of {list(allowed)}")
         return value
     args = get_args(hint)
     if type(None) in args:  # Optional[X]
@@ -243,11 +348,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return _coerce(value, inner[0], where)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected true/false, got {value!r}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected an integer, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
@@ -256,39 +361,68 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected a number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected a string, got {value!r}")
         return value
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if hint is tuple or origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigKeyError(where, f"{where}: expected a list, got {value!r}")
         return tuple(value)
     return value
 
 
+def _check_range(value: Any, meta: dict, where: str) -> None:
+    rng: Range | None = meta.get("range")
+    if rng is None or value is None:
+        return
+    items = value if isinstance(value, tuple) else (value,)
+    if "length" in meta and len(items) != meta["length"]:
+        raise ConfigKeyError(where, f"{where}={list(items)}: expected {meta['length']} values")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise ConfigKeyError(where, f"{where}: expected a number, got {item!r}")
+        if not rng.contains(item):
+            raise ConfigKeyError(where, f"{where}={value!r} is out of range: allowed {rng.describe()}")
+
+
+def numeric_fields(cls: type = None, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """(dotted key, field) of every int/float field of the schema (tests: each declares a range)."""
+    cls = cls or ExperimentConfig
+    hints, out = get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        hint, path = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            out += numeric_fields(hint, path + ".")
+        elif {int, float} & ({hint} | set(get_args(hint))) or hint is tuple:
+            out.append((path, f))
+    return out
+
+
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with the closest valid name."""
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys with the closest valid name
+    and values outside each field's declared range."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigKeyError(where, f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in names:
-            raise ConfigError(f"unknown config key '{path}'{_closest(str(key), names)}")
+        if key not in fields:
+            raise ConfigKeyError(path, f"unknown config key '{path}'{_closest(str(key), list(fields))}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(hint, value or {}, path)
         else:
             kwargs[key] = _coerce(value, hint, path)
+            _check_range(kwargs[key], fields[key].metadata, path)
     cfg = cls(**kwargs)
     return cfg
 
@@ -312,7 +446,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
@@ -320,56 +454,92 @@ def _read_yaml(path: Path) -> dict:
 
 def deep_merge(base: dict, over: dict) -> dict:
     """``over`` merged into ``base`` recursively (mappings merge, everything else replaces)."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(over)), resolve=False)
 
 
-def _load_with_bases(path: Path, seen: tuple = ()) -> dict:
+def _layers_with_bases(path: Path, seen: tuple = ()) -> list[tuple[str, dict]]:
+    """[(file, its own keys)] from the root of the ``base`` chain down to ``path``."""
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'base' chain loops back on itself")
     data = _read_yaml(path)
     base = data.pop("base", None)
+    own = [(str(path), data)]
     if base is None:
-        return data
-    parent = _load_with_bases((path.parent / base), seen + (path.resolve(),))
-    return deep_merge(parent, data)
+        return own
+    return _layers_with_bases((path.parent / base), seen + (path.resolve(),)) + own
 
 
 def parse_override(item: str) -> dict:
-    """``trainer.lr=3e-4`` -> ``{"trainer": {"lr": 0.0003}}`` (value parsed as YAML)."""
-    if "=" not in item:
+    """``trainer.lr=3e-4`` -> ``{"trainer": {"lr": 0.0003}}`` (OmegaConf dot-list grammar)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if "=" not in item or item.startswith("="):
         raise ConfigError(f"override '{item}': expected key.path=value")
-    key, raw = item.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else None
-    out: dict = {}
-    node = out
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"override '{item}': {' '.join(str(err).split())}") from None
+
+
+def _has_key(data: dict, key: str) -> bool:
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _variant(overrides: list[tuple[str, dict]]) -> str:
+    """The overrides that change what a run computes, as ``key=value,...`` (long lists hashed)."""
+    parts = []
+    for item, data in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in ("seed", "variant") or any(key == op or key.startswith(op + ".") for op in OPERATIONAL_KEYS):
+            continue
+        parts.append(item.strip().replace("/", "_"))
+    label = ",".join(parts)
+    if len(label) > 80:  # a directory name must stay short; the full list is in config.yaml
+        label = f"{len(parts)}overrides-{hashlib.sha256(label.encode()).hexdigest()[:8]}"
+    return label
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load an experiment/arm YAML (with its ``base`` chain) plus ``key=value`` overrides."""
-    data: dict = {}
-    source = "defaults"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        data = _load_with_bases(path)
-    for item in overrides or []:
-        data = deep_merge(data, parse_override(item))
+    """Load an experiment/arm YAML (with its ``base`` chain) plus ``key=value`` overrides.
+
+    A ConfigError names the layer that set the offending key: the base file, the arm file or the
+    command-line override."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers: list[tuple[str, dict]] = _layers_with_bases(Path(path)) if path is not None else []
+    parsed = [(item, parse_override(item)) for item in overrides or []]
+    layers += [(f"command-line override '{item}'", data) for item, data in parsed]
+    merged: dict = {}
+    for source, data in layers:
+        try:
+            merged = deep_merge(merged, data)
+        except Exception as err:  # noqa: BLE001 - OmegaConf type clashes (a mapping over a value)
+            raise ConfigError(f"{source}: {' '.join(str(err).split())}") from None
+    try:  # ${a.b} interpolations resolve against the merged layers
+        merged = OmegaConf.to_container(OmegaConf.create(merged), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{layers[-1][0] if layers else 'config'}: {' '.join(str(err).split())}") from None
+    variant = _variant(parsed)
+    if variant and not any(_has_key(d, "variant") for _, d in parsed):
+        merged["variant"] = "+".join(v for v in (merged.get("variant"), variant) if v)
+    main = str(path) if path is not None else "defaults"
     try:
-        cfg = from_dict(ExperimentConfig, data)
+        cfg = from_dict(ExperimentConfig, merged)
         validate(cfg)
+    except ConfigKeyError as err:
+        sources = [src for src, data in layers if _has_key(data, err.key)]
+        raise ConfigError(f"{sources[-1] if sources else main}: {err}") from None
     except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
+        raise ConfigError(f"{main}: {err}") from None
     return cfg
 
 
@@ -405,6 +575,7 @@ def validate(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a type hint cannot express; each names the key and the rule."""
     m, r, t, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.loss
     checks = [
+        (m.preset != "deepseek_v3" or m.topk_group <= m.n_group, "model.topk_group must be <= model.n_group"),
         (m.top_k <= m.num_experts, "model.top_k must be <= model.num_experts"),
         (m.preset != "deepseek_v3" or m.num_experts % m.n_group == 0,
          "model.num_experts must be divisible by model.n_group (deepseek_v3)"),
@@ -431,5 +602,9 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(message)
 
 
+def config_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

@@ -1,8 +1,9 @@
 """Run tracking: metrics.jsonl is the source of truth (appended and flushed every step); wandb
 mirrors it (offline by default, online when configured, ``disabled`` works).
 
-A run directory holds everything needed to understand the run: the resolved config, the git SHA,
-metrics.jsonl, summary.json and checkpoints. Nothing in it is ever rewritten in place: files are
+A run directory holds everything needed to understand the run: the resolved config, its identity
+(run.json: the config hash a resume or a sweep must match), the machine it ran on (machine.json),
+the git SHA, metrics.jsonl, summary.json and checkpoints. Nothing in it is ever rewritten in place: files are
 replaced atomically, and on resume the rows after the restored checkpoint are dropped (they would
 otherwise be logged twice) after the old file is kept as metrics.jsonl.bak.
 """
@@ -11,12 +12,70 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
 
-from moerl.config import ExperimentConfig, save_config, to_dict
+from moerl.config import (ConfigError, ExperimentConfig, config_diff, config_hash, identity_dict, load_config,
+                          save_config, to_dict, usable_cores)
+
+# CPU flags that select torch's bf16 kernels (oneDNN AMX / AVX512-BF16 paths): bf16 results differ
+# between machines with and without them, while fp32 runs reproduce bit for bit.
+BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx2")
+
+
+def machine_info() -> dict:
+    """CPU model, bf16-relevant ISA flags, torch build and thread counts of this process."""
+    import torch
+
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", "x86_64", ""):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "isa_flags": {f: f in flags for f in BF16_FLAGS},
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_version": torch.__version__, "torch_git": torch.version.git_version,
+            "torch_cuda": torch.version.cuda, "mkldnn": torch.backends.mkldnn.is_available(),
+            "torch_threads": torch.get_num_threads(), "usable_cores": usable_cores(),
+            "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+
+
+class RunMismatchError(RuntimeError):
+    """A run directory that holds a run of another config than the one asked for."""
+
+
+def recorded_identity(run_dir: Path) -> dict | None:
+    """The identity (flattened config without operational keys) a run directory was made with."""
+    run_dir = Path(run_dir)
+    if (run_dir / "run.json").exists():
+        return json.loads((run_dir / "run.json").read_text())["identity"]
+    if (run_dir / "config.yaml").exists():  # runs recorded before run.json existed
+        try:
+            return identity_dict(load_config(run_dir / "config.yaml"))
+        except ConfigError:
+            return None
+    return None
+
+
+def check_same_config(run_dir: Path, cfg: ExperimentConfig, action: str) -> None:
+    """Refuse to ``action`` (resume, skip) a run recorded with another config, naming the keys."""
+    recorded = recorded_identity(run_dir)
+    if recorded is None:
+        return
+    diff = config_diff(recorded, identity_dict(cfg))
+    if diff:
+        shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
+        raise RunMismatchError(f"{run_dir} holds a run of another config, cannot {action} it ({shown}); "
+                               f"use other overrides (they name the run), another tracking.output_dir, or --fresh")
 
 
 def git_sha() -> str:
@@ -77,9 +136,20 @@ class Tracker:
         if resume_step is not None:
             self._truncate_after(resume_step)
         save_config(cfg, self.run_dir / "config.yaml")
+        atomic_write_text(self.run_dir / "run.json", json.dumps(
+            {"run": cfg.run_name, "config_hash": config_hash(cfg), "identity": identity_dict(cfg)}, indent=1) + "\n")
+        self.machine = machine_info()
+        atomic_write_text(self.run_dir / "machine.json", json.dumps(self.machine, indent=2) + "\n")
         atomic_write_text(self.run_dir / "git_sha.txt", git_sha() + "\n")
         self._fh = open(self.metrics_path, "a")
         self.wandb = self._init_wandb(cfg)
+
+    @property
+    def wandb_sync_dir(self) -> Path | None:
+        """The offline wandb run directory (``wandb sync <it>`` uploads it), None when not offline."""
+        if self.wandb is None or self.wandb.settings.mode != "offline":
+            return None
+        return Path(self.wandb.dir).parent
 
     def _truncate_after(self, step: int) -> None:
         if not self.metrics_path.exists():
@@ -108,13 +178,18 @@ class Tracker:
 
     def log(self, row: dict) -> None:
         clean = {k: _jsonable(v) for k, v in row.items()}
-        self._fh.write(json.dumps(clean) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            self._fh.write(json.dumps(clean) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as err:
+            raise OSError(err.errno, f"could not append step {row.get('step')} to {self.metrics_path} "
+                                     f"({err.strerror}); rows up to the last checkpoint resume with --resume") from err
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=row["step"])
 
     def write_summary(self, summary: dict) -> None:
+        summary = {**summary, "machine": self.machine}
         atomic_write_text(self.run_dir / "summary.json",
                           json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n")
 

@@ -28,7 +28,7 @@ seed = int(args[args.index("--seed") + 1])
 action = "--resume" if "--resume" in args else "--fresh"
 pos = [a for a in args if not a.startswith("--") and a != str(seed)]
 cfg = load_config(pos[0], pos[1:] + [f"seed={seed}"])
-run = Path(cfg.tracking.output_dir) / cfg.experiment / cfg.arm / f"seed{cfg.seed}"
+run = cfg.run_dir
 run.mkdir(parents=True, exist_ok=True)
 with open(run / "calls.jsonl", "a") as fh:
     fh.write(json.dumps({"argv": args, "omp": os.environ["OMP_NUM_THREADS"], "threads": cfg.threads,
@@ -131,7 +131,8 @@ def test_plan_decides_per_run_and_validates(tmp_path):
 def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monkeypatch, capsys):
     out = tmp_path / "runs"
     exp_out = out / "00_tiny_moe_cpu"
-    _ckpt(exp_out / "r3" / "seed1", 5)  # an interrupted run
+    v = "+trainer.steps=3"  # the override is part of every run's name (warm_start.cache_dir is not)
+    _ckpt(exp_out / f"r3{v}" / "seed1", 5)  # an interrupted run
     monkeypatch.setenv("FAKE_FAIL_ARM", "tis")
     ws = tmp_path / "ws"
     argv = [str(EXP_DIR), "--seeds", "2", "--arms", "baseline,r3,tis,deepseek_r3", "--jobs", "2",
@@ -144,27 +145,28 @@ def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monke
     calls = sorted((ws / "calls.txt").read_text().split())
     assert len(calls) == 2 and calls[0].startswith("deepseek_v3-") and calls[1].startswith("qwen3_moe-")
     assert "2 warm-start checkpoint(s) to train first" in text
-    assert "FAILED (rc 3" in text and "tis-seed0.log" in text and "arm | seed | action | status | seconds" in text
-    calls = {(a, s): [json.loads(x) for x in (exp_out / a / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
+    assert "FAILED (rc 3" in text and f"tis{v}-seed0.log" in text and "arm | seed | action | status | seconds" in text
+    calls = {(a, s): [json.loads(x)
+                      for x in (exp_out / f"{a}{v}" / f"seed{s}" / "calls.jsonl").read_text().splitlines()]
              for a in ("baseline", "r3", "tis", "deepseek_r3") for s in (0, 1)}
     assert calls[("r3", 1)][0]["action"] == "--resume" and calls[("r3", 0)][0]["action"] == "--fresh"
     cores = sweep.usable_cores()
     for c in calls.values():  # each of 2 concurrent runs gets cores // 2 threads, in env and config
         assert c[0]["omp"] == str(sweep.threads_per_job(cores, 2)) == str(c[0]["threads"])
         assert "trainer.steps=3" in c[0]["argv"]
-    assert "fake run of" in (exp_out / "sweep_logs" / "baseline-seed0.log").read_text()
+    assert "fake run of" in (exp_out / "sweep_logs" / f"baseline{v}-seed0.log").read_text()
     first = json.loads((exp_out / "sweep.json").read_text())
-    assert first["runs"]["tis/seed0"]["rc"] == 3 and first["runs"]["baseline/seed1"]["rc"] == 0
+    assert first["runs"][f"tis{v}/seed0"]["rc"] == 3 and first["runs"][f"baseline{v}/seed1"]["rc"] == 0
 
     # second invocation: finished runs are skipped, only the failed arm runs again
     monkeypatch.delenv("FAKE_FAIL_ARM")
     assert sweep.main(argv) == 0
     assert len(calls[("baseline", 0)]) == 1
-    assert len((exp_out / "baseline" / "seed0" / "calls.jsonl").read_text().splitlines()) == 1
-    assert len((exp_out / "tis" / "seed0" / "calls.jsonl").read_text().splitlines()) == 2
+    assert len((exp_out / f"baseline{v}" / "seed0" / "calls.jsonl").read_text().splitlines()) == 1
+    assert len((exp_out / f"tis{v}" / "seed0" / "calls.jsonl").read_text().splitlines()) == 2
     data = json.loads((exp_out / "sweep.json").read_text())
-    assert len(data["invocations"]) == 2 and data["runs"]["tis/seed0"] == {
-        "seconds": pytest.approx(data["runs"]["tis/seed0"]["seconds"]), "attempts": 2, "rc": 0}
+    assert len(data["invocations"]) == 2 and data["runs"][f"tis{v}/seed0"] == {
+        "seconds": pytest.approx(data["runs"][f"tis{v}/seed0"]["seconds"]), "attempts": 2, "rc": 0}
     assert data["total_wall_seconds"] == pytest.approx(sum(i["wall_seconds"] for i in data["invocations"]))
 
     # third: nothing to do; recorded but not counted as sweep time
@@ -196,8 +198,9 @@ def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
             "--run-script", str(fake_run), "warm_start.enabled=false"]
     assert sweep.main(argv) == 0
     data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
-    assert data["invocations"][0]["ray"] and set(data["runs"]) == {"baseline/seed0", "r3/seed0"}
-    assert all((out / "00_tiny_moe_cpu" / a / "seed0" / "summary.json").exists() for a in ("baseline", "r3"))
+    v = "+warm_start.enabled=false"
+    assert data["invocations"][0]["ray"] and set(data["runs"]) == {f"baseline{v}/seed0", f"r3{v}/seed0"}
+    assert all((out / "00_tiny_moe_cpu" / f"{a}{v}" / "seed0" / "summary.json").exists() for a in ("baseline", "r3"))
 
 
 def test_one_real_tiny_run_through_the_sweep(tmp_path, capsys):
@@ -209,12 +212,42 @@ def test_one_real_tiny_run_through_the_sweep(tmp_path, capsys):
             "trainer.samples_every=1", "trainer.samples_per_save=8", "tracking.wandb_mode=disabled",
             "data.train_size=64", "data.test_size=4"]
     rc = sweep.main(argv)
-    run = out / "00_tiny_moe_cpu" / "r3" / "seed0"
-    log = (out / "00_tiny_moe_cpu" / "sweep_logs" / "r3-seed0.log").read_text()
+    from moerl.config import load_config
+
+    run = load_config(EXP_DIR / "arms" / "r3.yaml", argv[argv.index("--output-dir") + 2:]
+                      + [f"tracking.output_dir={out}"]).run_dir
+    log = (out / "00_tiny_moe_cpu" / "sweep_logs" / f"{run.parent.name}-seed0.log").read_text()
     assert rc == 0, log[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 1 and (run / "samples" / "step_00001.npz").exists()
     from moerl.results import load_run
 
-    assert load_run(out, "00_tiny_moe_cpu", "r3", 0)["routing/agreement"].notna().any()
+    assert load_run(out, "00_tiny_moe_cpu", run.parent.name, 0)["routing/agreement"].notna().any()
     assert sweep.main(argv) == 0 and "skipped (finished)" in capsys.readouterr().out
+
+
+def test_sweep_refuses_runs_of_another_config_and_names_override_runs(tmp_path, capsys):
+    from moerl.config import load_config, to_dict
+    import yaml
+
+    out = tmp_path / "runs"
+    plain = load_config(EXP_DIR / "arms" / "tis.yaml", [f"tracking.output_dir={out}"])
+    plain.run_dir.mkdir(parents=True)
+    (plain.run_dir / "summary.json").write_text("{}")
+    (plain.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plain)))
+    # an override is a run of its own: the finished plain arm is neither skipped for it nor resumed
+    _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}", "loss.tis_cap=3.0"], 1)
+    assert [(j.arm, j.action) for j in jobs] == [("tis+loss.tis_cap=3.0", "fresh")]
+    assert jobs[0].run_dir == str(out / "00_tiny_moe_cpu" / "tis+loss.tis_cap=3.0" / "seed0")
+    _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}"], 1)
+    assert [(j.arm, j.action) for j in jobs] == [("tis", "skip")]
+    # the arm file changed since the run was recorded: neither skipped nor resumed, the keys named
+    recorded = to_dict(plain)
+    recorded["loss"]["tis_cap"] = 5.0
+    (plain.run_dir / "config.yaml").write_text(yaml.safe_dump(recorded))
+    with pytest.raises(SystemExit, match=r"holds a run of another config, cannot skip it \(loss.tis_cap: 5.0 -> 2.0\)"):
+        sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}"], 1)
+    # errors are one line; --debug shows the traceback
+    with pytest.raises(SystemExit, match=r"^holds|holds a run of another config") as err:
+        sweep.main([str(EXP_DIR), "--seed-list", "0", "--arms", "tis", "--output-dir", str(out), "--dry-run"])
+    assert "\n" not in str(err.value)

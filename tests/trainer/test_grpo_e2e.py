@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moerl import faults
 from moerl.config import load_config
 from moerl.tracking import read_metrics
 from moerl.trainer.grpo import GRPOTrainer
@@ -18,7 +19,7 @@ def run_dir_of(cfg):
 
 
 @pytest.mark.slow
-def test_run_directory_metrics_and_exact_resume(tmp_path):
+def test_run_directory_metrics_and_exact_resume(tmp_path, monkeypatch):
     full_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "a"))
     summary = GRPOTrainer(full_cfg, run_dir_of(full_cfg), progress=False).train()
     run = run_dir_of(full_cfg)
@@ -36,13 +37,24 @@ def test_run_directory_metrics_and_exact_resume(tmp_path):
     assert summary["steps"] == 3 and json.loads((run / "summary.json").read_text())["steps"] == 3
     assert list((run / "samples").glob("step_*.npz"))
 
-    # Interrupted after step 2, then resumed to step 3: same weights, no duplicated rows.
-    cut_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml",
-                          tiny_overrides_for(tmp_path / "b") + ["trainer.steps=2"])
-    GRPOTrainer(cut_cfg, run_dir_of(cut_cfg), progress=False).train()
-    with open(run_dir_of(cut_cfg) / "metrics.jsonl", "a") as fh:
-        fh.write('{"step": 3, "reward/mean": 0.5, "partial": tr')  # a row the crash left half-written
+    # Interrupted after step 2's checkpoint, then resumed to step 3: same weights, no duplicated rows.
     resumed_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "b"))
+    cut = GRPOTrainer(resumed_cfg, run_dir_of(resumed_cfg), progress=False)
+
+    class Crash(BaseException):
+        pass
+
+    def crash(point):
+        if point == "after_checkpoint" and cut.step_idx == 2:
+            raise Crash
+
+    monkeypatch.setattr(faults, "hit", crash)
+    with pytest.raises(Crash):
+        cut.train()
+    monkeypatch.undo()
+    cut.tracker.close()
+    with open(run_dir_of(resumed_cfg) / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 3, "reward/mean": 0.5, "partial": tr')  # a row the crash left half-written
     GRPOTrainer(resumed_cfg, run_dir_of(resumed_cfg), resume=True, progress=False).train()
     resumed_rows = [r for r in read_metrics(run_dir_of(resumed_cfg) / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in resumed_rows] == [1, 2, 3]

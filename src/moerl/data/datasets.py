@@ -1,14 +1,24 @@
 """Real math datasets (GSM8K, MATH/DAPO-style) from local parquet/jsonl via `datasets`, or the hub.
 
-Every loader returns plain rows ``{"question", "answer"}``; rows missing either are skipped,
-counted and logged rather than silently turned into empty prompts.
+Every loader returns plain rows ``{"question", "answer"}``; rows missing either (or, for GSM8K,
+whose gold answer is not a number) are skipped, counted and logged with file and row rather than
+silently turned into empty prompts. A file that cannot be read at all (empty, a line that is not
+JSON, no usable row) is a DataError naming the file and line, raised before a run writes anything.
 """
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$|^[+-]?\d+/\d+$")
+
+
+class DataError(ValueError):
+    """A dataset file that cannot give training or test rows; the message names file and line."""
 
 QUESTION_KEYS = ("question", "problem", "prompt", "query")
 ANSWER_KEYS = ("answer", "solution", "ground_truth", "final_answer")
@@ -65,17 +75,35 @@ def _first(row: dict, keys: tuple[str, ...]):
     return None
 
 
-def rows_from_records(records, task: str, source: str) -> list[dict]:
+def _problem(question, raw, answer, task: str) -> str | None:
+    """Why a row cannot be used, or None."""
+    if question is None:
+        return "no question (expected one of " + ", ".join(QUESTION_KEYS) + ")"
+    if raw is None:
+        return "no answer (expected one of " + ", ".join(ANSWER_KEYS) + ")"
+    if answer is None:
+        return "no final answer (expected '#### <number>')" if task == "gsm8k" else "no final answer"
+    if task == "gsm8k" and not _NUMBER.match(answer):
+        return f"gold answer {answer!r} is not a number (expected '#### <number>')"
+    return None
+
+
+def rows_from_records(records, task: str, source: str, row_label: str = "row") -> list[dict]:
+    """``records``: dicts, or (label, dict) pairs when rows are better named by file line."""
     extract = gsm8k_answer if task == "gsm8k" else math_answer
     rows, skipped = [], 0
     for i, rec in enumerate(records):
-        question, raw = _first(rec, QUESTION_KEYS), _first(rec, ANSWER_KEYS)
-        answer = None if raw is None else (extract(raw) or (raw.strip() if task == "math" else None))
-        if question is None or answer is None:
+        where, rec = rec if isinstance(rec, tuple) else (i, rec)
+        if not isinstance(rec, dict):
+            problem = f"expected a JSON object, got {type(rec).__name__}"
+        else:
+            question, raw = _first(rec, QUESTION_KEYS), _first(rec, ANSWER_KEYS)
+            answer = None if raw is None else (extract(raw) or (raw.strip() if task == "math" else None))
+            problem = _problem(question, raw, answer, task)
+        if problem is not None:
             skipped += 1
             if skipped <= 3:
-                log.warning("%s: row %d has no %s; skipped", source, i,
-                            "question" if question is None else "answer")
+                log.warning("%s: %s %s: %s; skipped", source, row_label, where, problem)
             continue
         rows.append({"question": question, "answer": answer})
     if skipped:
@@ -91,10 +119,30 @@ def load_local(path: str | Path, task: str) -> list[dict]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file not found: {path} (data.train_path / data.test_path)")
-    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(path.suffix)
+    kind = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}.get(path.suffix)
     if kind is None:
-        raise ValueError(f"{path}: unsupported dataset format '{path.suffix}' (expected .parquet, .jsonl, .json)")
-    ds = load_dataset(kind, data_files=str(path), split="train")
+        raise DataError(f"{path}: unsupported dataset format '{path.suffix}' (expected .parquet, .jsonl, .json)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file (expected {'one JSON object per line' if kind == 'jsonl' else 'rows'} "
+                        f"with a question and an answer)")
+    if kind == "jsonl":  # read here so a bad line is named by its line number
+        records = []
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}: line {n} is not valid JSON ({err.msg} at column {err.colno}); "
+                                f"expected one JSON object per line") from None
+        if not records:
+            raise DataError(f"{path}: no rows, only blank lines (expected one JSON object per line)")
+        return rows_from_records(records, task, str(path), row_label="line")
+    try:
+        ds = load_dataset(kind, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - pyarrow/datasets errors do not name the file
+        raise DataError(f"{path}: cannot read as {kind} ({type(err).__name__}: {' '.join(str(err).split())[:200]})") \
+            from None
     return rows_from_records(ds, task, str(path))
 
 

@@ -73,7 +73,7 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
                     receiver.stage(version, index, slots[slot], expected)
                     conn.send(("ok", index))
                 except RefitError as err:
-                    conn.send(("refit_error", type(err).__name__, str(err)))
+                    conn.send(("refit_error", type(err).__name__, str(err), index))
                 continue
             if op == "plan":
                 _, plan, slots = msg
@@ -133,7 +133,8 @@ class EngineProcess:
         self._proc.start()
         child.close()
         self._slots: list[torch.Tensor] = []
-        self._pending: list[int] = []  # buckets sent, ack not yet read (FIFO)
+        self._pending: list[int] = []  # buckets sent, ack not yet read
+        self._version = 0
         self._errors: list[str] = []
         self._recv("engine start-up")
 
@@ -175,23 +176,39 @@ class EngineProcess:
         self._call("plan", plan, self._slots)
 
     def buffer(self, index: int) -> torch.Tensor:
-        if len(self._pending) >= self.num_slots:  # the slot we are about to reuse must be consumed
-            self._read_ack()
-        return self._slots[index % self.num_slots]
+        slot = index % self.num_slots
+        # The bucket that last used this slot must be consumed before it is overwritten (acks are
+        # matched by index, so this holds whatever order the buckets are staged in).
+        self._await(lambda: any(p % self.num_slots == slot for p in self._pending), self._version)
+        return self._slots[slot]
 
     def send(self, version: int, index: int, checksum: int) -> None:
+        self._version = version
         self._conn.send(("stage", version, index, index % self.num_slots, checksum))
         self._pending.append(index)
 
+    def _await(self, waiting, version) -> None:
+        """Read acks while ``waiting()``; a bucket never acknowledged (lost on the way) is named."""
+        try:
+            while waiting():
+                self._read_ack()
+        except TimeoutError:
+            lost, self._pending, self._errors = list(self._pending), [], []
+            raise RefitError(f"refit {version}: bucket(s) {lost} sent but never acknowledged by the engine process "
+                             f"within {self.timeout:.0f} s (lost on the way); nothing committed, the engine keeps "
+                             f"the previous weights") from None
+
     def _read_ack(self) -> None:
-        reply = self._recv(f"bucket {self._pending[0]}")
-        self._pending.pop(0)
+        """One bucket's acknowledgement, matched by the bucket index it carries (not by arrival
+        order: a bucket lost on the way must not make the next one's ack look like its own)."""
+        reply = self._recv(f"bucket(s) {self._pending}")
+        index = reply[1] if reply[0] == "ok" else reply[3]
+        self._pending.remove(index) if index in self._pending else self._pending.pop(0)
         if reply[0] == "refit_error":
             self._errors.append((reply[1], reply[2]))
 
     def commit(self, version: int) -> int:
-        while self._pending:
-            self._read_ack()
+        self._await(lambda: bool(self._pending), version)
         errors, self._errors = self._errors, []
         self._conn.send(("commit", version))
         reply = self._recv("commit")

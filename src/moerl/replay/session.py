@@ -93,7 +93,8 @@ class RoutingSession:
                 mism = ((got != trace_idx.to(got.device)).any(-1) & valid.to(got.device)).nonzero()[0]
                 s, tok = int(mism[0]), int(mism[1])
                 raise ReplayViolation(
-                    f"layer {number}, sample {s}, token {tok}: experts received {got[s, tok].tolist()} but the "
+                    f"layer {number}, sample {self.replay_trace.sample(s)}, token {tok}: "
+                    f"experts received {got[s, tok].tolist()} but the "
                     f"replayed trace says {trace_idx[s, tok].tolist()} ({bad} rows in this call)")
 
     # -- results ------------------------------------------------------------------------------------

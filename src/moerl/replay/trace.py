@@ -31,10 +31,17 @@ class RoutingTrace:
     moe_layers: tuple[int, ...]  # global layer number of each of the L_moe columns
     num_experts: int
     top_k: int
+    # Batch-level index of each row when this trace is a slice (a micro-batch) of a batch's trace:
+    # errors name the sample of the batch, not its position inside the micro-batch.
+    rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.moe_layers = tuple(int(x) for x in self.moe_layers)
         self.validate()
+
+    def sample(self, i: int) -> int:
+        """Batch-level index of row ``i``."""
+        return int(i) if self.rows is None else int(self.rows[int(i)])
 
     # -- checks ---------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -62,7 +69,8 @@ class RoutingTrace:
                 row = bad.flatten(1).any(1).nonzero()[0, 0]
                 sample, token = (int(x) for x in valid.nonzero()[row])
                 col = int(bad[row].any(-1).nonzero()[0, 0])
-                raise TraceError(f"sample {sample}, token {token}, layer {self.moe_layers[col]}: expert id "
+                raise TraceError(f"sample {self.sample(sample)}, token {token}, layer {self.moe_layers[col]}: "
+                                 f"expert id "
                                  f"{int(used[row, col][bad[row, col]][0])} out of range [0, {self.num_experts})")
             srt = used.sort(dim=-1).values
             dup = (srt[..., 1:] == srt[..., :-1]).flatten(1).any(1)
@@ -70,7 +78,7 @@ class RoutingTrace:
                 row = valid.nonzero()[dup.nonzero()[0, 0]]
                 col = int((srt[dup.nonzero()[0, 0], :, 1:] == srt[dup.nonzero()[0, 0], :, :-1]).any(-1)
                           .nonzero()[0, 0])
-                raise TraceError(f"sample {int(row[0])}, token {int(row[1])}, layer {self.moe_layers[col]}: "
+                raise TraceError(f"sample {self.sample(row[0])}, token {int(row[1])}, layer {self.moe_layers[col]}: "
                                  f"duplicate experts in a valid row "
                                  f"{idx[int(row[0]), int(row[1]), col].tolist()}")
 
@@ -93,12 +101,14 @@ class RoutingTrace:
 
     def __getitem__(self, rows) -> "RoutingTrace":
         """Slice samples (a micro-batch): ``trace[idx]`` with a slice, list or index tensor."""
-        return RoutingTrace(self.indices[rows], self.valid[rows], self.moe_layers, self.num_experts, self.top_k)
+        batch_rows = torch.arange(self.indices.shape[0]) if self.rows is None else self.rows
+        return RoutingTrace(self.indices[rows], self.valid[rows], self.moe_layers, self.num_experts, self.top_k,
+                            batch_rows[rows])
 
     def truncate_tokens(self, length: int) -> "RoutingTrace":
         """First ``length`` token positions (the trainer forwards ``input_ids[:, :-1]``)."""
         return RoutingTrace(self.indices[:, :length], self.valid[:, :length], self.moe_layers,
-                            self.num_experts, self.top_k)
+                            self.num_experts, self.top_k, self.rows)
 
     @classmethod
     def cat(cls, traces: "list[RoutingTrace]") -> "RoutingTrace":
@@ -113,17 +123,18 @@ class RoutingTrace:
             if tr.indices.shape[1] != first.indices.shape[1]:
                 raise TraceError(f"trace {i} has {tr.indices.shape[1]} token positions, trace 0 has "
                                  f"{first.indices.shape[1]}")
+        rows = torch.cat([t.rows for t in traces]) if all(t.rows is not None for t in traces) else None
         return cls(torch.cat([t.indices for t in traces]), torch.cat([t.valid for t in traces]),
-                   first.moe_layers, first.num_experts, first.top_k)
+                   first.moe_layers, first.num_experts, first.top_k, rows)
 
     def to(self, device) -> "RoutingTrace":
         return RoutingTrace(self.indices.to(device), self.valid.to(device), self.moe_layers, self.num_experts,
-                            self.top_k)
+                            self.top_k, self.rows)
 
     def zero_invalid(self) -> "RoutingTrace":
         """Same routes with invalid rows set to expert 0 (their content is never used; packing drops it)."""
         idx = self.indices.masked_fill(~self.valid[:, :, None, None], 0)
-        return RoutingTrace(idx, self.valid, self.moe_layers, self.num_experts, self.top_k)
+        return RoutingTrace(idx, self.valid, self.moe_layers, self.num_experts, self.top_k, self.rows)
 
     def layer(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [N, T, k] as int64, valid [N, T]) for one global layer number."""

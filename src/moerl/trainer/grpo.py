@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ExperimentConfig
-from moerl.data import load_splits
+from moerl.config import ExperimentConfig, resolved_threads
+from moerl.data import DataError, load_splits
 from moerl.lora.peft_lora import apply_lora
 from moerl.refit import make_refitter
 from moerl.replay.trace import RoutingTrace
@@ -34,7 +34,8 @@ from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.hf import HFEngine
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
-from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from moerl import faults
+from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, resumable_checkpoint, save_checkpoint
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
@@ -100,10 +101,12 @@ def _chunks(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
-        torch.set_num_threads(cfg.threads)
+        if resume:  # checked before any work: a resume that cannot happen says so at once
+            saved = resumable_checkpoint(self.run_dir, cfg)
+        torch.set_num_threads(resolved_threads(cfg))
         torch.manual_seed(cfg.seed)
+        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
-        self.train_rows, self.test_rows = load_splits(cfg.data)
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
         self.policy = apply_lora(base, cfg.lora, cfg.model.preset)
@@ -134,13 +137,13 @@ class GRPOTrainer:
 
         resume_step = None
         if resume:
-            saved = checkpoint_dirs(self.run_dir)
-            if not saved:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
-            state = load_checkpoint(saved[-1], self.policy, self.optimizer)
+            state = load_checkpoint(saved, self.policy, self.optimizer)
             self.step_idx, resume_step = state["step"], state["step"]
             self.sampler.load(state["sampler"])
-            self.refit()
+            # The engine gets the restored weights under the version they had when saved, so the
+            # refit/version column continues exactly as in an uninterrupted run.
+            self.refitter.version = state.get("refit_version", state["step"]) - 1
+            self.refitter.sync()
             log.info("resumed %s at step %d", self.run_dir, self.step_idx)
         self.tracker = Tracker(self.run_dir, cfg, resume_step)
 
@@ -301,6 +304,7 @@ class GRPOTrainer:
 
     def refit(self) -> dict:
         """Adapter-only (LoRA tensors) or merged (full weights) refit, bucketed and checksummed."""
+        faults.hit("step")
         return self.refitter.sync()
 
     # ------------------------------------------------------------------------------------------
@@ -320,7 +324,8 @@ class GRPOTrainer:
 
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
-                        {"sampler": self.sampler.state()})
+                        {"sampler": self.sampler.state(), "refit_version": self.refitter.version})
+        faults.hit("after_checkpoint")
 
     def train(self) -> dict:
         from tqdm import tqdm
@@ -331,17 +336,24 @@ class GRPOTrainer:
             self.tracker.log(initial)
         bar = tqdm(total=cfg.trainer.steps, initial=self.step_idx, desc=cfg.run_name,
                    disable=not (self.progress and cfg.tracking.progress_bar))
-        last = {}
         while self.step_idx < cfg.trainer.steps:
             last = self.step()
             bar.update(1)
             bar.set_postfix(reward=f"{last['reward/mean']:.3f}", k3=f"{last['mismatch/k3']:.2e}",
                             s=f"{last['time/step']:.2f}")
         bar.close()
-        if cfg.trainer.eval_every == 0 or self.step_idx % cfg.trainer.eval_every != 0 or "eval/pass1" not in last:
+        # The final evaluation, unless this step's row carries one (its eval_every, or a run killed
+        # after logging it and resumed from this step's checkpoint: no row is ever logged twice).
+        from moerl.tracking import read_metrics
+
+        if not any(r.get("step") == self.step_idx and "eval/pass1" in r
+                   for r in read_metrics(self.tracker.metrics_path)):
             final = {"step": self.step_idx, **self.evaluate()}
             self.tracker.log(final)
-        self.save()
+        faults.hit("final_eval")
+        saved = checkpoint_dirs(self.run_dir)
+        if not saved or saved[-1].name != f"step_{self.step_idx}":
+            self.save()
         summary = self.summarise()
         self.tracker.write_summary(summary)
         self.close()
@@ -372,6 +384,16 @@ class GRPOTrainer:
                 "reward_first10": float(np.mean([r["reward/mean"] for r in train[:10]])) if train else None,
                 "reward_last10": float(np.mean([r["reward/mean"] for r in train[-10:]])) if train else None,
                 **{f"mean/{k}": mean_of(k) for k in keys}}
+
+
+def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
+    """The task's (train, test) rows, or a DataError naming the file: a run needs both (a pass@1
+    of 0.0 measured on no test rows would be reported as a result)."""
+    train, test = load_splits(cfg.data)
+    if not test:
+        raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
+                        f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
+    return train, test
 
 
 def _group_solved(batch: RolloutBatch) -> float:

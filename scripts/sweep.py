@@ -121,12 +121,17 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
     from moerl.tracking import RunMismatchError, check_same_config
 
     jobs, experiment, out_dir = [], None, None
+    computes: dict[str, str] = {}  # what an arm computes (its identity without its name) -> arm
     for arm, path in discover_arms(experiment_dir, arms).items():
         for seed in seeds:
             try:
                 cfg = load_config(str(path), [*overrides, f"seed={seed}"])
             except ConfigError as err:
                 raise SystemExit(f"config error in {path} (seed {seed}): {err}") from None
+            same_as = computes.setdefault(_computation(cfg), arm)
+            if same_as != arm:
+                raise SystemExit(f"{path}: arm '{arm}' resolves to the same config as arm '{same_as}' (seed {seed}): "
+                                 f"its runs would duplicate that arm's; drop it or make it differ")
             if experiment is None:
                 experiment, out_dir = cfg.experiment, Path(cfg.tracking.output_dir) / cfg.experiment
             elif cfg.experiment != experiment:
@@ -150,6 +155,17 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
                                                             run_script)
             jobs.append(Job(name, seed, str(path), str(run_dir), action, str(log), cmd, warm))
     return experiment, out_dir, jobs
+
+
+def _computation(cfg) -> str:
+    """A key for what a run computes: its identity (moerl.config.identity_dict) without the arm name."""
+    import hashlib
+    import json
+
+    from moerl.config import identity_dict
+
+    ident = {k: v for k, v in identity_dict(cfg).items() if k != "arm"}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def warm_start_jobs(jobs: list[Job], out_dir: Path, threads: int, overrides: list[str], python: str = sys.executable,

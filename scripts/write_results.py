@@ -115,9 +115,10 @@ def machines(exp_dir: Path) -> str:
             missing += 1
             continue
         info = json.loads(path.read_text())
-        flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in (info.get("bf16_flags") or info.get("flags") or []))
-        label = (f"{info.get('cpu_model', '?')} (bf16 ISA: {flags or 'none'}), torch {info.get('torch', '?')}, "
-                 f"{info.get('threads', '?')} thread(s)")
+        isa = info.get("isa_flags") or {}
+        flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if isa.get(f))
+        label = (f"{info.get('cpu_model', '?')} (bf16 ISA: {flags or 'none'}), torch {info.get('torch_version', '?')}, "
+                 f"{info.get('torch_threads', '?')} thread(s)")
         counts[label] = counts.get(label, 0) + 1
     parts = [f"{label} — {n} run(s)" for label, n in counts.items()]
     if missing:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -251,3 +252,16 @@ def test_sweep_refuses_runs_of_another_config_and_names_override_runs(tmp_path, 
     with pytest.raises(SystemExit, match=r"^holds|holds a run of another config") as err:
         sweep.main([str(EXP_DIR), "--seed-list", "0", "--arms", "tis", "--output-dir", str(out), "--dry-run"])
     assert "\n" not in str(err.value)
+
+
+def test_two_arms_that_compute_the_same_thing_are_refused(tmp_path):
+    exp = tmp_path / "exp"
+    shutil.copytree(EXP_DIR / "arms", exp / "arms")
+    shutil.copy(EXP_DIR / "base.yaml", exp / "base.yaml")
+    (exp / "arms" / "per_expert.yaml").write_text("base: ../base.yaml\narm: per_expert\nlora:\n  expert_mode: per_expert\n")
+    out = [f"tracking.output_dir={tmp_path / 'runs'}"]
+    with pytest.raises(SystemExit, match=r"arm 'per_expert' resolves to the same config as arm 'baseline'"):
+        sweep.plan(exp, [0], ["baseline", "per_expert"], out, 1)
+    # every arm shipped with experiment 00 computes something of its own
+    _, _, jobs = sweep.plan(EXP_DIR, [0], None, out, 1)
+    assert len(jobs) == len(list((EXP_DIR / "arms").glob("*.yaml")))

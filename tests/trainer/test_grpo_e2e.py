@@ -36,6 +36,19 @@ def test_run_directory_metrics_and_exact_resume(tmp_path, monkeypatch):
     assert any("eval/pass1" in r for r in rows)
     assert summary["steps"] == 3 and json.loads((run / "summary.json").read_text())["steps"] == 3
     assert list((run / "samples").glob("step_*.npz"))
+    # the final checkpoint carries the LoRA as a stock PEFT adapter holding exactly the trained tensors
+    from peft import PeftModel
+
+    from moerl.data.tokenizer import build_tokenizer
+    from moerl.models.presets import build_model
+
+    last = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
+    assert (last / "adapter" / "vllm" / "adapter_model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(build_model(full_cfg.model, build_tokenizer(), seed=full_cfg.data.seed),
+                                       str(last / "adapter" / "peft"))
+    params = dict(loaded.named_parameters())
+    trained = load_file(str(last / "lora.safetensors"))
+    assert trained and all(torch.equal(params[name], value) for name, value in trained.items())
 
     # Interrupted after step 2's checkpoint, then resumed to step 3: same weights, no duplicated rows.
     resumed_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "b"))

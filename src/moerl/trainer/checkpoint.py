@@ -46,7 +46,10 @@ def _first_line(err: BaseException) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, export=None) -> Path:
+    """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to ``keep``.
+    ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
+    trainer writes the LoRA there as PEFT / vLLM adapters)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for junk in incomplete_dirs(run_dir):
@@ -64,6 +67,9 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
         current = tmp / "rng.pt"
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()}, current)
+        if export is not None:
+            current = tmp / "adapter"
+            export(current)
         current = tmp / "state.json"
         current.write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
     except Exception as err:  # noqa: BLE001 - disk full surfaces as OSError, SafetensorError or RuntimeError
@@ -86,7 +92,10 @@ def _remove(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
     path.replace(aside)
     for i, child in enumerate(sorted(aside.iterdir())):
-        child.unlink()
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
         if i == 0:
             faults.hit("prune")
     aside.rmdir()

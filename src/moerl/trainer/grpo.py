@@ -26,6 +26,7 @@ import torch
 
 from moerl.config import ExperimentConfig, resolved_threads
 from moerl.data import DataError, load_splits
+from moerl.lora.export import export_adapter
 from moerl.lora.peft_lora import apply_lora
 from moerl.refit import make_refitter
 from moerl.replay.trace import RoutingTrace
@@ -40,7 +41,7 @@ from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_rout
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import mismatch_metrics, token_samples
-from moerl.trainer.warm_start import evaluate_policy, load_warm_start
+from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir
 
 log = logging.getLogger(__name__)
 
@@ -323,8 +324,12 @@ class GRPOTrainer:
         tmp.rename(out / f"step_{self.step_idx:05d}.npz")
 
     def save(self) -> None:
+        """Checkpoint for exact resume, with the LoRA also exported as stock PEFT and vLLM adapters
+        (``checkpoints/step_N/adapter/{peft,vllm}``; their base model is the warm start)."""
+        base = str(warm_start_dir(self.cfg)) if self.cfg.warm_start.enabled else ""
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
-                        {"sampler": self.sampler.state(), "refit_version": self.refitter.version})
+                        {"sampler": self.sampler.state(), "refit_version": self.refitter.version},
+                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base))
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:

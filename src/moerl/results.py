@@ -154,6 +154,16 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
+def load_experiment(experiment: str, root: str | Path | None = None, wandb_project: str | None = None,
+                    api=None) -> pd.DataFrame:
+    """The metrics a notebook plots: a cluster run of 01-04 from wandb when ``wandb_project``
+    (ENTITY/PROJECT; runs grouped by experiment, as the launcher logs them) is given, else the run
+    directories under ``root`` (default: results_root())."""
+    if wandb_project:
+        return load_wandb_runs(wandb_project, filters={"group": experiment}, api=api)
+    return load_metrics(root if root is not None else results_root(), experiment)
+
+
 def load_arm_configs(root: str | Path, experiment: str) -> dict[str, dict]:
     """Each arm's resolved config (config.yaml of its lowest seed): what a figure needs to mark the
     arm's thresholds (TIS cap, MIS / IcePop bands)."""

@@ -66,3 +66,16 @@ def test_cluster_results_table_puts_the_run_beside_the_paper():
     k3_row = next(line for line in text.splitlines() if line.startswith("| k3 KL"))
     assert "1.5e-3 without R3" in k3_row and "2.00e-03 ± 0.00e+00" in k3_row  # mean of the last 2 steps
     assert "| held-out pass@1 | r3 |" in text and text.count("not logged") >= 1
+
+
+def test_notebooks_load_a_cluster_run_or_run_directories():
+    from pathlib import Path
+
+    from moerl.results import load_experiment
+
+    rows = [{"_step": 1, "rollout_corr/k3_kl": 1e-3}]
+    api = FakeApi([FakeRun("a", "r3", {"experiment": "03_q", "arm": "r3", "seed": 0}, rows)])
+    df = load_experiment("03_q", wandb_project="me/p", api=api)
+    assert api.calls == [("me/p", {"group": "03_q"})] and df["mismatch/k3"].iloc[0] == 1e-3
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "runs"
+    assert set(load_experiment("00_tiny_moe_cpu", fixture)["arm"]) == {"baseline", "r3", "deepseek_r3"}

@@ -271,3 +271,22 @@ def test_generation_capture_matches_trainer_and_r3_agreement_is_one():
     m = routing_metrics(s, trace, trace)
     assert m["routing/replayed_agreement"] == 1.0 and m["routing/violations"] == 0
     assert 0.5 < m["routing/agreement"] <= 1.0
+
+
+def _checkpointed(model):
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checkpointed_replay_of_a_trace_equal_to_native_routing(preset):
+    # The usual case: no row flipped, so the recompute's native top-k equals the replayed experts.
+    # The recompute must still take the substituting path, or torch raises CheckpointError.
+    model, ids = small_model(preset), random_ids(N, T)
+    _, trace = record(model, ids)
+    _checkpointed(model)
+    with routing_session(model, ids.shape, replay=trace, strict=True) as s:
+        model(ids, use_cache=False).logits.pow(2).mean().backward()
+    assert all(c == 2 for c in s.calls.values()), "recompute did not run (is checkpointing on?)"
+    assert s.violations == 0 and s.recompute_mismatches == 0

@@ -61,9 +61,15 @@ class RoutingSession:
                              f"{n}x{t} (the session's batch shape)")
         self.calls[number] = self.calls.get(number, 0) + 1
         if self.calls[number] > 1:
-            # Recompute (activation checkpointing): the first call's experts, whatever native says now.
+            # Recompute (activation checkpointing): the first call's experts, whatever native says now,
+            # and by the same code path. A replaying first call substituted (index, weights), so the
+            # recompute substitutes too, even when the recomputed native top-k happens to equal it:
+            # returning None there would skip the weight recomputation, save fewer tensors than the
+            # first forward did, and torch.utils.checkpoint raises CheckpointError.
             first = self.used[number].view(n * t, -1).to(native.device)
-            return None if torch.equal(first, native) else first
+            if self.replay_trace is None and torch.equal(first, native):
+                return None  # the first call kept native routing too: same path
+            return first
         self.native[number] = native.detach().view(n, t, -1).clone()
         if self.replay_trace is None:
             self.used[number] = self.native[number]

@@ -290,3 +290,34 @@ def test_checkpointed_replay_of_a_trace_equal_to_native_routing(preset):
         model(ids, use_cache=False).logits.pow(2).mean().backward()
     assert all(c == 2 for c in s.calls.values()), "recompute did not run (is checkpointing on?)"
     assert s.violations == 0 and s.recompute_mismatches == 0
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_violations_are_counted_once_per_row_and_layer(reentrant):
+    # A foreign hook overrides one layer's experts on the forward and on the recompute: each valid
+    # row of that layer is one violation, not two (the trainer divides by valid rows x layers).
+    # Reentrant checkpointing reruns the whole layer; non-reentrant stops the recompute after the last
+    # saved tensor unless early stop is off, so both are forced to run the experts call again here.
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    model, ids = small_model("qwen3_moe"), random_ids(N, T)
+    layers = find_moe_layers(model)
+    trace = random_trace(N, T, tuple(x.layer_number for x in layers), 8, 2, seed=4)
+    target = layers[1]
+    idx, valid = trace.layer(target.layer_number)
+    fixed = torch.tensor([[0, 1]]).expand(N * T, 2)
+    differs = int(((idx.view(N * T, 2) != fixed).any(-1) & valid.reshape(-1)).sum())
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    runs = []
+    with routing_session(model, ids.shape, replay=trace) as s, set_checkpoint_early_stop(False):
+        hooks = [target.block.experts.register_forward_pre_hook(
+            lambda m, a: (a[0], fixed.to(a[1].dtype), a[2]) + tuple(a[3:])),
+            target.block.experts.register_forward_hook(lambda m, a, out: runs.append(1))]
+        try:
+            model(ids, use_cache=False).logits.pow(2).mean().backward()
+        finally:
+            for h in hooks:
+                h.remove()
+    assert len(runs) == 2, "the recompute did not run the experts call"
+    assert differs > 0 and s.violations == differs and s.layer_violations == {target.layer_number: differs}

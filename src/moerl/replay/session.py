@@ -47,7 +47,7 @@ class RoutingSession:
         self.used: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the session chose (first call)
         self.received: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the module got (first call)
         self.calls: dict[int, int] = {}  # layer -> MoE calls seen (2 per layer under checkpointing)
-        self.violations = 0  # valid (row, layer, call)s whose received experts differ from the trace
+        self.violations = 0  # valid (row, layer)s whose first-call experts differ from the trace
         self.layer_violations: dict[int, int] = {}
         self.recompute_mismatches = 0  # rows where a recompute received other experts than the first call
         self.layers: list[MoELayer] = []
@@ -84,10 +84,12 @@ class RoutingSession:
     def check(self, number: int, received: torch.Tensor) -> None:
         n, t = self.batch_shape
         got = received.detach().long().view(n, t, -1)
-        if number not in self.received:
-            self.received[number] = got.clone()
-        else:
+        if number in self.received:
+            # A recompute: compared with the first call, not with the trace again, so each valid
+            # (row, layer) is checked against the trace exactly once (what ``checked_rows`` counts).
             self.recompute_mismatches += int((got != self.received[number].to(got.device)).any(-1).sum())
+            return
+        self.received[number] = got.clone()
         if self.replay_trace is None:
             return
         trace_idx, valid = self.replay_trace.layer(number)

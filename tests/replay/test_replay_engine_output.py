@@ -73,11 +73,22 @@ def test_dense_first_layer_mapped_by_number_not_position():
     tr = trace_from_vllm([routes], mask, 3, (1, 2, 3), 8, 2, 4)
     assert tr.indices[0, 0].tolist() == routes[0, 1:].tolist()
     # The position-mapping bug (columns 0..2 for MoE layers 1..3) picks the zero-filled dense column:
-    # duplicate expert 0 in every valid row, which the trace refuses.
+    # duplicate expert 0 in every row, so no row can be replayed; every one falls back and is counted.
     buggy = routes[:, [0, 1, 2, 3]].copy()
     buggy[:, 1:] = routes[:, :3]
-    with pytest.raises(TraceError, match="sample 0, token 0, layer 1: duplicate experts"):
-        trace_from_vllm([buggy], mask, 3, (1, 2, 3), 8, 2, 4)
+    tr = trace_from_vllm([buggy], mask, 3, (1, 2, 3), 8, 2, 4)
+    assert not tr.valid.any() and tr.duplicate_rows == 4
+
+
+def test_a_row_with_duplicate_experts_falls_back_alone():
+    rng = np.random.default_rng(3)
+    mask = make_batch([3, 2], [2, 2], 3, 5)
+    routes = [engine_routes(rng, 3, 2, 3, [0], 8, 2), engine_routes(rng, 2, 2, 3, [0], 8, 2)]
+    routes[1][1, 2] = [5, 5]  # sample 1, its second token (batch column 2), layer 2
+    tr = trace_from_vllm(routes, mask, 3, (1, 2), 8, 2, 3)
+    assert tr.duplicate_rows == 1 and not tr.valid[1, 2]
+    assert tr.valid[0, :4].all() and tr.valid[1, [1, 3]].all()  # every other row still replays
+    assert tr.indices[1, 3].tolist() == routes[1][2, 1:].tolist()
 
 
 def test_engine_that_reports_routes_on_a_dense_layer_is_rejected():

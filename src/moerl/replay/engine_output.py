@@ -14,11 +14,13 @@ after it. MoE columns are picked by *global layer number* (``moe_layers``), neve
 A row count, layer count, top-k or expert id that does not fit raises a TraceError naming the
 sample; nothing is truncated or zero-filled. Rows the engine reports as missing (all ids -1, the
 NeMo-RL sentinel), rows before an SGLang start offset, the last generated token and padding are
-marked invalid, so replay falls back to the trainer's native top-k there.
+marked invalid, so replay falls back to the trainer's native top-k there; so are rows that repeat an
+expert id (counted in ``RoutingTrace.duplicate_rows``).
 """
 from __future__ import annotations
 
 import base64
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 
 from moerl.replay.trace import RoutingTrace, TraceError, index_dtype
+
+log = logging.getLogger(__name__)
 
 
 def batch_layout(attention_mask: torch.Tensor, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +123,7 @@ def trace_from_engine_rows(rows: Sequence, attention_mask: torch.Tensor, prompt_
 
     idx = np.zeros((n, t, len(moe_layers), top_k), dtype=np.int64)
     valid = np.zeros((n, t), dtype=bool)
+    duplicate_rows = 0
     for i, sample_rows in enumerate(rows):
         p, r = int(p_len[i]), int(r_len[i])
         # Batch column of each position of the unpadded sequence: prompt right-aligned, response after.
@@ -166,11 +171,22 @@ def trace_from_engine_rows(rows: Sequence, attention_mask: torch.Tensor, prompt_
             tok, col, _ = np.argwhere(too_big)[0]
             raise TraceError(f"{source} sample {i}, token {s + tok}, layer {moe_layers[col]}: expert id "
                              f"{int(moe[tok, col].max())} out of range [0, {num_experts})")
+        # A row that repeats an expert in some MoE layer cannot be replayed (a top-k never repeats one):
+        # that row falls back to the trainer's native routing and is counted, the rest of the batch
+        # replays. verl does the same per token with a replay mask (verl
+        # utils/megatron/router_replay_utils.py ``build_r3_replay_mask`` + ``RouterReplay.get_replay_topk``:
+        # torch.where(mask, replayed, native)).
+        srt = np.sort(moe, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]).any(axis=(1, 2)) & ~missing
+        duplicate_rows += int(dup.sum())
         target = cols[s:routed]
-        idx[i, target] = np.where(missing[:, None, None], 0, moe)
-        valid[i, target] = ~missing
+        idx[i, target] = np.where((missing | dup)[:, None, None], 0, moe)
+        valid[i, target] = ~(missing | dup)
+    if duplicate_rows:
+        log.warning("%s: %d token rows repeat an expert id in some MoE layer; they use native routing",
+                    source, duplicate_rows)
     return RoutingTrace(torch.from_numpy(idx).to(index_dtype(num_experts)), torch.from_numpy(valid),
-                        moe_layers, num_experts, top_k)
+                        moe_layers, num_experts, top_k, duplicate_rows=duplicate_rows)
 
 
 def trace_from_vllm(routed_experts: Sequence, attention_mask: torch.Tensor, prompt_length: int,

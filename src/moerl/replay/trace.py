@@ -31,6 +31,8 @@ class RoutingTrace:
     moe_layers: tuple[int, ...]  # global layer number of each of the L_moe columns
     num_experts: int
     top_k: int
+    # Rows an engine reported with a repeated expert id, turned invalid (native routing) by the parser.
+    duplicate_rows: int = 0
 
     def __post_init__(self) -> None:
         self.moe_layers = tuple(int(x) for x in self.moe_layers)

@@ -144,6 +144,9 @@ class ReplayConfig:
     mode: Literal["none", "R2", "R3"] = "none"
     # Raise when an expert used under replay differs from the trace on a valid row.
     strict: bool = False
+    # Warn (and log routing/agreement_alarm=1) when the trainer's native-vs-trace agreement under R3 falls
+    # below this fraction of its no-replay level (measured by trainer.paired_replay_every's pass).
+    agreement_alarm: float = 0.5
 
 
 @dataclass
@@ -177,6 +180,9 @@ class TrainerConfig:
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = 10
     samples_per_save: int = 2048
+    # Every N steps recompute the old logprobs of the same batch with the other replay setting (R3 arms:
+    # without replay; others: with the rollout trace) for a paired k3 ratio; 0 = off.
+    paired_replay_every: int = 0
 
 
 @dataclass

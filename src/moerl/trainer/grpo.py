@@ -38,7 +38,8 @@ from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_chec
 from moerl.trainer.logprobs import forward_logprobs
 from moerl.replay.diagnostics import pick_trace, replay_plan, routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
-from moerl.trainer.metrics import mismatch_metrics, token_samples
+from moerl.trainer.metrics import (AgreementAlarm, extreme_token_curve, mismatch_metrics, paired_replay_effect,
+                                  routing_divergence, token_samples)
 from moerl.trainer.warm_start import evaluate_policy, load_warm_start
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class GRPOTrainer:
             self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
         self.refitter = make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype)
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
+        self.agreement_alarm = AgreementAlarm(cfg.replay.agreement_alarm)
         self.step_idx = 0
 
         resume_step = None
@@ -153,6 +155,8 @@ class GRPOTrainer:
                 old_logp, native = self.old_logprobs(batch, pick_trace(plan.old_logprob, batch.routing, None))
         check_finite("old_logprobs", old_logp, mask)
         update_replay = pick_trace(plan.update, batch.routing, native)
+        with timer("consequence_metrics"):  # before the update: a paired pass needs the same weights
+            consequences = self.consequence_metrics(batch, old_logp, native, plan)
 
         # 4. Policy updates (mini-batches x micro-batches), replaying routes under R2/R3.
         self.set_learning_rate()
@@ -176,6 +180,7 @@ class GRPOTrainer:
         if native is not None and batch.routing is not None:
             metrics.update(routing_metrics(native, batch.routing.truncate_tokens(native.shape[1])))
             metrics.update({f"replay/old_pass_{k}": float(v) for k, v in self.old_pass_checks.items()})
+        metrics.update(consequences)
         if cfg.trainer.samples_every and self.step_idx % cfg.trainer.samples_every == 0:
             self.save_token_samples(old_logp, batch, mask)
         if cfg.trainer.eval_every and self.step_idx % cfg.trainer.eval_every == 0:
@@ -266,6 +271,38 @@ class GRPOTrainer:
             out["routing/replayed_agreement"] = 1.0 - checks["replay/violations"] / checks["replay/checked_rows"]
         return {**out, **checks}
 
+    def consequence_metrics(self, batch: RolloutBatch, old_logp, native: RoutingTrace | None, plan) -> dict:
+        """What the mismatch does (experiment 05): tokens re-routed in any layer, the extreme-ratio curve
+        F(tau), and every ``trainer.paired_replay_every`` steps the same batch's old logprobs with and
+        without replay (k3 ratio, bootstrap interval); the no-replay pass also sets the reference of the
+        R3 agreement alarm. ``native`` is the old pass's native routing (under R3, of replayed states).
+        Runs before the update, so a paired pass sees the weights ``old_logp`` came from."""
+        mask = batch.response_mask
+        out = extreme_token_curve(old_logp, batch.rollout_logprobs, mask)
+        if batch.routing is None or native is None:
+            return out
+        rollout = batch.routing.truncate_tokens(native.shape[1])
+        out.update(routing_divergence(native, rollout))
+        out["routing/duplicate_rows"] = float(batch.routing.duplicate_rows)
+
+        def agreement(trace: RoutingTrace) -> float:
+            per_layer = routing_agreement({n: trace.layer(n)[0] for n in rollout.moe_layers}, rollout)
+            vals = [v for v in per_layer.values() if v == v]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        every = self.cfg.trainer.paired_replay_every
+        replays = plan.old_logprob.replay == "rollout"
+        if every and self.step_idx % every == 0:
+            checks = dict(self.old_pass_checks)
+            other_logp, other_native = self.old_logprobs(batch, None if replays else batch.routing)
+            self.old_pass_checks = checks
+            self.agreement_alarm.observe_reference(agreement(other_native if replays else native))
+            replayed, plain = (old_logp, other_logp) if replays else (other_logp, old_logp)
+            out.update(paired_replay_effect(replayed, plain, batch.rollout_logprobs, mask, seed=self.step_idx))
+        if replays:
+            out.update(self.agreement_alarm.check(agreement(native), self.step_idx + 1))
+        return out
+
     def set_learning_rate(self) -> float:
         """Linear warm-up over trainer.warmup_steps, a function of the step alone (resume-exact)."""
         warmup = self.cfg.trainer.warmup_steps
@@ -339,7 +376,8 @@ class GRPOTrainer:
             return float(np.mean(vals)) if vals else None
 
         keys = sorted({k for r in train for k in r if k.startswith(("mismatch/", "clip/", "is/", "mask/",
-                                                                     "effective/", "routing/", "time/"))})
+                                                                     "effective/", "routing/", "time/",
+                                                                     "replay_effect/"))})
         return {"run": self.cfg.run_name, "steps": self.step_idx,
                 "warm_start_accuracy": self.warm_start_meta.get("test_accuracy"),
                 "initial_eval": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else None,

@@ -80,7 +80,8 @@ class RolloutConfig:
     """The rollout engine: its own copy of the policy, in its own precision."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # fp8: e4m3 weights with per-channel scales, computed in bf16 (an FP8 rollout, W8A16).
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 8
@@ -428,6 +429,9 @@ def validate(cfg: ExperimentConfig) -> None:
         (cfg.lora.rank > 0, "lora.rank must be > 0"),
         (not (cfg.replay.mode != "none" and not r.capture_routing and cfg.replay.mode == "R3"),
          "replay.mode=R3 needs rollout.capture_routing=true"),
+        (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),
+         "rollout.dtype=fp8 needs refit.mode=adapter (the engine rounds its base through e4m3 once; a merged "
+         "refit would overwrite it with unrounded weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]

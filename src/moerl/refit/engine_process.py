@@ -124,7 +124,7 @@ class EngineProcess:
         self.mode = mode or cfg.refit.mode
         self.timeout, self.num_slots = timeout, num_slots
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
-    dtype = dtypes[cfg.rollout.dtype]
+        dtype = dtypes[cfg.rollout.dtype]
         if self.mode == "adapter":
             base = base_state_dict(policy, dtype)
             adapter = {k: v.to(dtype).clone() for k, v in canonical_adapter(policy).items()}

@@ -149,6 +149,10 @@ class ReplayConfig:
     # Warn (and log routing/agreement_alarm=1) when the trainer's native-vs-trace agreement under R3 falls
     # below this fraction of its no-replay level (measured by trainer.paired_replay_every's pass).
     agreement_alarm: float = 0.5
+    # How a trace column is matched to an MoE router. layer_number is the only correct mapping;
+    # position REPRODUCES A BUG (the i-th MoE router reads global layer i: on models with dense first
+    # layers the first MoE layers get zero rows and the others another layer's routes). Experiment 05 only.
+    layer_mapping: Literal["layer_number", "position"] = "layer_number"
 
 
 @dataclass
@@ -429,6 +433,8 @@ def validate(cfg: ExperimentConfig) -> None:
         (cfg.lora.rank > 0, "lora.rank must be > 0"),
         (not (cfg.replay.mode != "none" and not r.capture_routing and cfg.replay.mode == "R3"),
          "replay.mode=R3 needs rollout.capture_routing=true"),
+        (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
+         "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
         (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),
          "rollout.dtype=fp8 needs refit.mode=adapter (the engine rounds its base through e4m3 once; a merged "
          "refit would overwrite it with unrounded weights)"),

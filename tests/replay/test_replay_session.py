@@ -321,3 +321,43 @@ def test_checkpointed_violations_are_counted_once_per_row_and_layer(reentrant):
                 h.remove()
     assert len(runs) == 2, "the recompute did not run the experts call"
     assert differs > 0 and s.violations == differs and s.layer_violations == {target.layer_number: differs}
+
+
+def test_repeated_experts_collapse_into_one_weight_as_megatron_does():
+    from moerl.models.routers import collapse_repeated
+
+    index = torch.tensor([[0, 0, 0, 0], [3, 1, 2, 0], [5, 1, 5, 5]])
+    weights = torch.full((3, 4), 0.25)
+    out = collapse_repeated(index, weights)
+    assert out.tolist() == [[0.25, 0, 0, 0], [0.25] * 4, [0.25, 0.25, 0, 0]]
+    assert torch.equal(collapse_repeated(index[1:2], weights[1:2]), weights[1:2])
+
+
+def test_position_mapping_reproduces_the_r3_bug_on_a_dense_first_layer_model():
+    # DeepSeek-V3 family: layer 0 dense, MoE layers 1 and 2. Mapped by position, MoE layer 1 reads the
+    # dense layer's zero-filled column (expert 0 twice, collapsed to one weight) and MoE layer 2 reads
+    # layer 1's routes; the session reports no violation, as the bug did.
+    model, ids = small_model("deepseek_v3"), random_ids(N, T)
+    logits, trace = record(model, ids)
+    seen = {}
+    layers = find_moe_layers(model)
+    with torch.no_grad(), routing_session(model, ids.shape, replay=trace, layer_mapping="position") as s:
+        hooks = [x.block.experts.register_forward_pre_hook(
+            lambda m, a, number=x.layer_number: seen.__setitem__(number, (a[1].clone(), a[2].clone())))
+            for x in layers]
+        try:
+            buggy = model(ids).logits
+        finally:
+            for h in hooks:
+                h.remove()
+    idx1, w1 = seen[1]
+    assert idx1.tolist() == [[0, 0]] * (N * T)
+    assert (w1[:, 1] == 0).all() and (w1[:, 0] > 0).all()  # expert 0 once, with one weight
+    assert torch.equal(seen[2][0].long(), trace.layer(1)[0].reshape(N * T, 2))
+    assert s.violations == 0
+    assert not torch.allclose(buggy, logits)
+    # The trainer's native routing against the trace is what gives it away.
+    assert routing_agreement(s.native, trace)[2] < 1.0
+    with pytest.raises(ValueError, match="unknown mapping 'pos'"):
+        with routing_session(model, ids.shape, replay=trace, layer_mapping="pos"):
+            pass

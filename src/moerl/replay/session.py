@@ -39,10 +39,14 @@ def innermost_experts(block: nn.Module) -> nn.Module:
 class RoutingSession:
     """What one forward (plus its checkpoint recompute) routed, per MoE layer (global layer number)."""
 
-    def __init__(self, batch_shape: tuple[int, int], replay: RoutingTrace | None, strict: bool):
+    def __init__(self, batch_shape: tuple[int, int], replay: RoutingTrace | None, strict: bool,
+                 layer_mapping: str = "layer_number"):
+        if layer_mapping not in ("layer_number", "position"):
+            raise ValueError(f"replay.layer_mapping: unknown mapping '{layer_mapping}' (layer_number or position)")
         self.batch_shape = batch_shape
         self.replay_trace = replay
         self.strict = strict
+        self.layer_mapping = layer_mapping
         self.native: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] native top-k (first call)
         self.used: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the session chose (first call)
         self.received: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the module got (first call)
@@ -74,11 +78,28 @@ class RoutingSession:
         if self.replay_trace is None:
             self.used[number] = self.native[number]
             return None
-        trace_idx, valid = self.replay_trace.layer(number)
+        trace_idx, valid = self.replayed(number)
         chosen = torch.where(valid.reshape(-1, 1).to(native.device), trace_idx.reshape(n * t, -1).to(native.device),
                              native)
         self.used[number] = chosen.detach().view(n, t, -1).clone()
         return chosen
+
+    def replayed(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [N, T, k], valid [N, T]) this session feeds to MoE layer ``number``.
+
+        ``layer_number`` (always, outside a bug reproduction): the trace's column for that global layer.
+        ``position`` reproduces the bug that broke R3 on models with dense first layers: the i-th MoE
+        router read the engine's column i, i.e. global layer i, which for DeepSeek-V3-style models is a
+        dense layer (zero-filled by vLLM: expert 0 k times) for the first MoE layers and another layer's
+        routes for the rest (old verl's per-router slicing, fixed by verl PR 5037 / Mind Lab's R3 fix).
+        Violations are counted against this, so the bug shows ``violations=0`` as it did."""
+        trace = self.replay_trace
+        if self.layer_mapping == "layer_number":
+            return trace.layer(number)
+        source = trace.moe_layers.index(number)  # this router's position among the MoE layers
+        if source in trace.moe_layers:
+            return trace.layer(source)
+        return torch.zeros_like(trace.layer(number)[0]), trace.valid  # a dense layer's zero-filled column
 
     # -- the check (runs in a forward hook on the innermost experts module) --------------------------
     def check(self, number: int, received: torch.Tensor) -> None:
@@ -92,7 +113,7 @@ class RoutingSession:
         self.received[number] = got.clone()
         if self.replay_trace is None:
             return
-        trace_idx, valid = self.replay_trace.layer(number)
+        trace_idx, valid = self.replayed(number)
         bad = count_violations(got, trace_idx.to(got.device), valid.to(got.device))
         if bad:
             self.violations += bad
@@ -123,14 +144,16 @@ class RoutingSession:
 
 @contextmanager
 def routing_session(model: nn.Module, input_shape: tuple[int, int], replay: RoutingTrace | None = None,
-                    strict: bool = False) -> Iterator[RoutingSession]:
+                    strict: bool = False, layer_mapping: str = "layer_number") -> Iterator[RoutingSession]:
     """Hooks for one forward (+ backward) on a batch of ``input_shape`` = (N, T).
 
     ``replay``: a trace to replay (R3: the rollout's; R2: ``to_trace`` of the old-logprob session),
     already sliced to this micro-batch and to the forwarded token columns. ``strict`` raises
     ReplayViolation on the first valid row whose received experts differ from the trace.
+    ``layer_mapping="position"`` reproduces the R3 layer-mapping bug (``RoutingSession.replayed``);
+    never use it for anything else.
     """
-    session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict)
+    session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict, layer_mapping)
     with intercept_routing(model, session.policy) as layers:
         session.layers = layers
         if replay is not None:

@@ -205,7 +205,8 @@ class GRPOTrainer:
         for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
             sub = batch.select(rows)
             trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
-            with routing_session(self.policy, (len(rows), t - 1), replay=trace, strict=self.cfg.replay.strict) as s:
+            with routing_session(self.policy, (len(rows), t - 1), replay=trace, strict=self.cfg.replay.strict,
+                                 layer_mapping=self.cfg.replay.layer_mapping) as s:
                 logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
             logps.append(logp)
             natives.append(s.to_trace(sub.attention_mask[:, :-1].bool()))
@@ -232,8 +233,8 @@ class GRPOTrainer:
                 for rows in _chunks(mini, cfg.trainer.micro_batch_size):
                     sub = batch.select(rows)
                     trace = None if replay is None else replay[rows].truncate_tokens(t - 1)
-                    with routing_session(self.policy, (len(rows), t - 1), replay=trace,
-                                         strict=cfg.replay.strict) as session:
+                    with routing_session(self.policy, (len(rows), t - 1), replay=trace, strict=cfg.replay.strict,
+                                         layer_mapping=cfg.replay.layer_mapping) as session:
                         logp, entropy = forward_logprobs(self.policy, sub, cfg.rollout.temperature,
                                                          with_entropy=True)
                         loss, m = policy_loss(logp, old_logp[rows], batch.rollout_logprobs[rows],

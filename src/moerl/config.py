@@ -146,9 +146,9 @@ class ReplayConfig:
     mode: Literal["none", "R2", "R3"] = "none"
     # Raise when an expert used under replay differs from the trace on a valid row.
     strict: bool = False
-    # Warn (and log routing/agreement_alarm=1) when the trainer's native-vs-trace agreement under R3 falls
-    # below this fraction of its no-replay level (measured by trainer.paired_replay_every's pass).
-    agreement_alarm: float = 0.5
+    # Warn (and log routing/agreement_alarm=1) when the trainer's native-vs-trace disagreement under R3
+    # exceeds this many times its no-replay level (+0.01), measured by trainer.paired_replay_every's pass.
+    agreement_alarm: float = 3.0
     # How a trace column is matched to an MoE router. layer_number is the only correct mapping;
     # position REPRODUCES A BUG (the i-th MoE router reads global layer i: on models with dense first
     # layers the first MoE layers get zero rows and the others another layer's routes). Experiment 05 only.

@@ -53,13 +53,14 @@ def test_paired_replay_effect_ratio_and_interval():
 
 
 def test_agreement_alarm_fires_only_far_below_the_reference(caplog):
-    alarm = AgreementAlarm(0.5)
+    alarm = AgreementAlarm(3.0)
     assert alarm.check(0.02, step=1) == {}  # no reference yet
-    alarm.observe_reference(0.97)
-    assert alarm.check(0.99, step=2)["routing/agreement_alarm"] == 0.0
+    alarm.observe_reference(0.97)  # 3 % of rows disagree without replay
+    assert alarm.check(0.99, step=2)["routing/agreement_alarm"] == 0.0  # replay lowered it: healthy
+    assert alarm.check(0.915, step=2)["routing/agreement_alarm"] == 0.0  # 8.5 % <= 3 x 3 % + 1 %
     with caplog.at_level("WARNING"):
-        out = alarm.check(0.05, step=3)
+        out = alarm.check(0.68, step=3)  # 32 % disagree: another layer's routes
     assert out == {"routing/agreement_alarm": 1.0, "routing/agreement_reference": 0.97}
-    assert "step 3: routing agreement under replay 0.050" in caplog.text
+    assert "step 3: routing agreement under replay 0.680" in caplog.text
     alarm.observe_reference(math.nan)  # a batch without valid rows keeps the last reference
     assert alarm.reference == 0.97

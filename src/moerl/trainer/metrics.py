@@ -240,12 +240,15 @@ class AgreementAlarm:
 
     A trace fed to the wrong layers still gives ``violations=0`` and ``replayed_agreement=1.0``: the
     experts received equal the trace, it is just the wrong trace. What shows it is the trainer's own
-    native top-k against the trace: replaying the right routes keeps (or raises) the no-replay
-    agreement; routes of another layer drive it to a few percent. The no-replay level is measured on
-    the same batches by the paired pass (``trainer.paired_replay_every``)."""
+    native top-k against the trace: replaying the right routes keeps the disagreement at or below its
+    no-replay level (the hidden states become the rollout's); routes of another layer push it far above.
+    Fires when ``1 - agreement > factor * (1 - reference) + margin``. The no-replay reference is measured
+    on the same batches by the paired pass (``trainer.paired_replay_every``)."""
 
-    def __init__(self, ratio: float):
-        self.ratio, self.reference = ratio, None
+    margin = 0.01  # absolute slack: a reference disagreement near 0 must not make noise an alarm
+
+    def __init__(self, factor: float):
+        self.factor, self.reference = factor, None
 
     def observe_reference(self, agreement: float) -> None:
         if agreement == agreement:
@@ -254,12 +257,12 @@ class AgreementAlarm:
     def check(self, agreement: float, step: int) -> dict[str, float]:
         if self.reference is None or agreement != agreement:
             return {}
-        fired = agreement < self.ratio * self.reference
+        fired = 1.0 - agreement > self.factor * (1.0 - self.reference) + self.margin
         if fired:
             import logging
 
             logging.getLogger(__name__).warning(
-                "step %d: routing agreement under replay %.3f is below %.2f x its no-replay level %.3f: the "
+                "step %d: routing agreement under replay %.3f is far below its no-replay level %.3f: the "
                 "replayed routes do not belong to these layers (check the layer mapping)", step, agreement,
-                self.ratio, self.reference)
+                self.reference)
         return {"routing/agreement_alarm": float(fired), "routing/agreement_reference": self.reference}

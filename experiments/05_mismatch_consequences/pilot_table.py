@@ -1,0 +1,47 @@
+"""Summarise pilot runs (one row per run directory) for the pilot table in README.md.
+
+    python experiments/05_mismatch_consequences/pilot_table.py runs/pilots/<name> [...]
+
+Per run: steps, training reward as 25-step means, mean k3, tokens re-routed in any layer, grad-norm
+median/max, non-finite updates, the collapse step (moerl.collapse) and the initial/final pass@1.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moerl.collapse import collapse_step
+from moerl.tracking import read_metrics
+
+
+def summarise(run: Path) -> dict:
+    rows = read_metrics(run / "metrics.jsonl")
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/pass1" in r]
+    if not train:
+        return {"run": run.name, "steps": 0}
+    rewards = [r["reward/mean"] for r in train]
+
+    def vals(key):
+        return np.array([r[key] for r in train if isinstance(r.get(key), (int, float))], dtype=float)
+
+    grad = vals("grad_norm")
+    return {"run": run.name, "steps": len(train),
+            "reward_blocks": [round(float(np.mean(rewards[i:i + 25])), 3) for i in range(0, len(rewards), 25)],
+            "k3_mean": float(np.nanmean(vals("mismatch/k3"))),
+            "any_layer_differs": float(np.nanmean(vals("routing/any_layer_differs"))),
+            "extreme_gt2": float(np.nanmean(vals("mismatch/extreme_gt2"))),
+            "grad_norm_median": float(np.nanmedian(grad)), "grad_norm_max": float(np.nanmax(grad)),
+            "nonfinite_updates": int(vals("updates/skipped_nonfinite").sum()),
+            "collapse_step": collapse_step(rows),
+            "pass1_initial": evals[0].get("eval/pass1") if evals else None,
+            "pass1_final": evals[-1].get("eval/pass1") if evals else None}
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        for metrics in sorted(Path(arg).rglob("metrics.jsonl")):
+            print(json.dumps(summarise(metrics.parent)))

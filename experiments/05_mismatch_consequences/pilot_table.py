@@ -17,19 +17,19 @@ from moerl.collapse import collapse_step
 from moerl.tracking import read_metrics
 
 
-def summarise(run: Path) -> dict:
+def summarise(run: Path, name: str | None = None) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if "eval/pass1" in r]
     if not train:
-        return {"run": run.name, "steps": 0}
+        return {"run": name or run.name, "steps": 0}
     rewards = [r["reward/mean"] for r in train]
 
     def vals(key):
         return np.array([r[key] for r in train if isinstance(r.get(key), (int, float))], dtype=float)
 
     grad = vals("grad_norm")
-    return {"run": run.name, "steps": len(train),
+    return {"run": name or run.name, "steps": len(train),
             "reward_blocks": [round(float(np.mean(rewards[i:i + 25])), 3) for i in range(0, len(rewards), 25)],
             "k3_mean": float(np.nanmean(vals("mismatch/k3"))),
             "any_layer_differs": float(np.nanmean(vals("routing/any_layer_differs"))),
@@ -44,4 +44,4 @@ def summarise(run: Path) -> dict:
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         for metrics in sorted(Path(arg).rglob("metrics.jsonl")):
-            print(json.dumps(summarise(metrics.parent)))
+            print(json.dumps(summarise(metrics.parent, Path(arg).name)))

@@ -1,6 +1,6 @@
 """Summarise pilot runs (one row per run directory) for the pilot table in README.md.
 
-    python experiments/05_mismatch_consequences/pilot_table.py runs/pilots/<name> [...]
+    python experiments/05_mismatch_consequences/pilot_table.py [--markdown] runs/pilots/<name> [...]
 
 Per run: steps, training reward as 25-step means, mean k3, tokens re-routed in any layer, grad-norm
 median/max, non-finite updates, the collapse step (moerl.collapse) and the initial/final pass@1.
@@ -41,7 +41,18 @@ def summarise(run: Path, name: str | None = None) -> dict:
             "pass1_final": evals[-1].get("eval/pass1") if evals else None}
 
 
+def markdown_row(s: dict) -> str:
+    blocks = " → ".join(f"{x:.2f}" for x in s["reward_blocks"])
+    collapse = "—" if s["collapse_step"] is None else str(s["collapse_step"])
+    return (f"| {s['run']} | {s['steps']} | {blocks} | {s['k3_mean']:.1e} | {s['any_layer_differs']:.3f} | "
+            f"{s['grad_norm_median']:.2f} / {s['grad_norm_max']:.1f} | {collapse} | "
+            f"{s['pass1_initial']:.3f} → {s['pass1_final']:.3f} |")
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
+    args = sys.argv[1:]
+    markdown = "--markdown" in args
+    for arg in [a for a in args if a != "--markdown"]:
         for metrics in sorted(Path(arg).rglob("metrics.jsonl")):
-            print(json.dumps(summarise(metrics.parent, Path(arg).name)))
+            s = summarise(metrics.parent, Path(arg).name)
+            print(markdown_row(s) if markdown else json.dumps(s))

@@ -1,12 +1,14 @@
 """Summarise pilot runs (one row per run directory) for the pilot table in README.md.
 
     python experiments/05_mismatch_consequences/pilot_table.py [--markdown] runs/pilots/<name> [...]
+    python experiments/05_mismatch_consequences/pilot_table.py --markdown results/pilots/05_*   # recorded
 
 Per run: steps, training reward as 25-step means, mean k3, tokens re-routed in any layer, grad-norm
 median/max, non-finite updates, the collapse step (moerl.collapse) and the initial/final pass@1.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -17,8 +19,16 @@ from moerl.collapse import collapse_step
 from moerl.tracking import read_metrics
 
 
+def load_rows(run: Path) -> list[dict]:
+    """A run directory's metrics rows: metrics.jsonl, or the gzipped copy kept in results/pilots."""
+    if (run / "metrics.jsonl").exists():
+        return read_metrics(run / "metrics.jsonl")
+    with gzip.open(run / "metrics.jsonl.gz", "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def summarise(run: Path, name: str | None = None) -> dict:
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = load_rows(run)
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if "eval/pass1" in r]
     if not train:
@@ -53,6 +63,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     markdown = "--markdown" in args
     for arg in [a for a in args if a != "--markdown"]:
-        for metrics in sorted(Path(arg).rglob("metrics.jsonl")):
+        for metrics in sorted(Path(arg).rglob("metrics.jsonl*")):
             s = summarise(metrics.parent, Path(arg).name)
             print(markdown_row(s) if markdown else json.dumps(s))

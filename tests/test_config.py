@@ -32,7 +32,7 @@ def test_misspelt_key_names_the_closest(tmp_path):
 
 def test_wrong_types_and_literals_are_rejected():
     with pytest.raises(ConfigError, match="rollout.dtype.*not one of"):
-        load_config(None, ["rollout.dtype=fp8"])
+        load_config(None, ["rollout.dtype=fp4"])
     with pytest.raises(ConfigError, match="trainer.steps: expected an integer"):
         load_config(None, ["trainer.steps=ten"])
     with pytest.raises(ConfigError, match=r"rollout.group_size=1 is out of range: allowed \[2, inf\)"):

@@ -88,7 +88,8 @@ class ModelConfig:
 class DataConfig:
     """Which task the policy learns; the synthetic task needs no files at all."""
 
-    task: Literal["arith", "gsm8k", "math"] = "arith"
+    # arith: a+b*c= -> \boxed{n}; arith_steps: a+b*c-d= worked step by step (answers of 25-33 tokens).
+    task: Literal["arith", "arith_steps", "gsm8k", "math"] = "arith"
     # Local parquet/jsonl file(s) for real datasets; a hub id when online (e.g. "openai/gsm8k").
     train_path: str | None = None
     test_path: str | None = None
@@ -118,7 +119,8 @@ class RolloutConfig:
     """The rollout engine: its own copy of the policy, in its own precision."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # fp8: e4m3 weights with per-channel scales, computed in bf16 (an FP8 rollout, W8A16).
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     prompts_per_step: int = num(32, 1)
     group_size: int = num(8, 2, why="GRPO normalises within a group")
     max_new_tokens: int = num(8, 1)
@@ -183,6 +185,13 @@ class ReplayConfig:
     mode: Literal["none", "R2", "R3"] = "none"
     # Raise when an expert used under replay differs from the trace on a valid row.
     strict: bool = False
+    # Warn (and log routing/agreement_alarm=1) when the trainer's native-vs-trace disagreement under R3
+    # exceeds this many times its no-replay level (+0.01), measured by trainer.paired_replay_every's pass.
+    agreement_alarm: float = num(3.0, 1.0, why="a multiple of the no-replay disagreement")
+    # How a trace column is matched to an MoE router. layer_number is the only correct mapping;
+    # position REPRODUCES A BUG (the i-th MoE router reads global layer i: on models with dense first
+    # layers the first MoE layers get zero rows and the others another layer's routes). Experiment 05 only.
+    layer_mapping: Literal["layer_number", "position"] = "layer_number"
 
 
 @dataclass
@@ -216,6 +225,9 @@ class TrainerConfig:
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = num(10, 0, why="0 saves no token samples")
     samples_per_save: int = num(2048, 1)
+    # Every N steps recompute the old logprobs of the same batch with the other replay setting (R3 arms:
+    # without replay; others: with the rollout trace) for a paired k3 ratio; 0 = off.
+    paired_replay_every: int = num(0, 0, why="0 turns the paired replay measurement off")
 
 
 @dataclass
@@ -594,6 +606,11 @@ def validate(cfg: ExperimentConfig) -> None:
          "replay.mode=R3 needs rollout.capture_routing=true"),
         (r.engine != "vllm" or (cfg.refit.mode, cfg.refit.engine) == ("adapter", "inprocess"),
          "rollout.engine=vllm takes adapter refit into its own processes: refit.mode=adapter, refit.engine=inprocess"),
+        (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
+         "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
+        (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),
+         "rollout.dtype=fp8 needs refit.mode=adapter (the engine rounds its base through e4m3 once; a merged "
+         "refit would overwrite it with unrounded weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]

@@ -59,3 +59,26 @@ def test_verl_parquet_schema(tmp_path):
     df = pd.read_parquet(path)
     assert list(df.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
     assert load_local(path, "math") == [{"question": "2+3*4=", "answer": "14"}]
+
+
+def test_worked_arithmetic_task_answers_are_long_correct_and_held_out():
+    from moerl.config import DataConfig
+    from moerl.data import load_splits
+    from moerl.data.prompts import render_prompt, render_target
+    from moerl.data.tokenizer import build_tokenizer
+    from moerl.reward import batch_rewards
+
+    train, test = load_splits(DataConfig(task="arith_steps", train_size=400, test_size=50, seed=3))
+    assert len(train) == 400 and len(test) == 50
+    assert not {r["question"] for r in test} & {r["question"] for r in train}
+    tok = build_tokenizer()
+    for row in train[:100]:
+        q = row["question"]
+        a, rest = q[:-1].split("+")
+        b, rest = rest.split("*")
+        c, d = rest.split("-")
+        assert int(row["answer"]) == int(a) + int(b) * int(c) - int(d)
+        target = render_target(row["answer"], row["target"])
+        assert target.endswith("\\boxed{" + row["answer"] + "}") and render_prompt("arith_steps", q) == q
+        assert len(tok(target + "<eos>", add_special_tokens=False).input_ids) >= 24
+    assert batch_rewards([r["target"] for r in train[:20]], [r["answer"] for r in train[:20]]) == [1.0] * 20

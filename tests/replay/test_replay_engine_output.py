@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moerl.replay.engine_output import (batch_layout, encode_sglang_routed_experts, trace_from_sglang,
-                                        trace_from_vllm)
+from moerl.replay.engine_output import (batch_layout, encode_sglang_routed_experts, layer_layout,
+                                        trace_from_sglang, trace_from_vllm)
 from moerl.replay.trace import TraceError
 
 
@@ -73,19 +73,58 @@ def test_dense_first_layer_mapped_by_number_not_position():
     tr = trace_from_vllm([routes], mask, 3, (1, 2, 3), 8, 2, 4)
     assert tr.indices[0, 0].tolist() == routes[0, 1:].tolist()
     # The position-mapping bug (columns 0..2 for MoE layers 1..3) picks the zero-filled dense column:
-    # duplicate expert 0 in every valid row, which the trace refuses.
+    # duplicate expert 0 in every row, so no row can be replayed; every one falls back and is counted.
     buggy = routes[:, [0, 1, 2, 3]].copy()
     buggy[:, 1:] = routes[:, :3]
-    with pytest.raises(TraceError, match="sample 0, token 0, layer 1: duplicate experts"):
-        trace_from_vllm([buggy], mask, 3, (1, 2, 3), 8, 2, 4)
+    tr = trace_from_vllm([buggy], mask, 3, (1, 2, 3), 8, 2, 4)
+    assert not tr.valid.any() and tr.duplicate_rows == 4
+
+
+def test_a_row_with_duplicate_experts_falls_back_alone():
+    rng = np.random.default_rng(3)
+    mask = make_batch([3, 2], [2, 2], 3, 5)
+    routes = [engine_routes(rng, 3, 2, 3, [0], 8, 2), engine_routes(rng, 2, 2, 3, [0], 8, 2)]
+    routes[1][1, 2] = [5, 5]  # sample 1, its second token (batch column 2), layer 2
+    tr = trace_from_vllm(routes, mask, 3, (1, 2), 8, 2, 3)
+    assert tr.duplicate_rows == 1 and not tr.valid[1, 2]
+    assert tr.valid[0, :4].all() and tr.valid[1, [1, 3]].all()  # every other row still replays
+    assert tr.indices[1, 3].tolist() == routes[1][2, 1:].tolist()
 
 
 def test_engine_that_reports_routes_on_a_dense_layer_is_rejected():
     rng = np.random.default_rng(1)
     mask = make_batch([2, 2], [2, 1], 2, 4)
     routes = [engine_routes(rng, 2, 2, 3, [], 8, 2), engine_routes(rng, 2, 1, 3, [], 8, 2)]
-    with pytest.raises(TraceError, match="sample 0, token 0: layer 0 carries distinct experts"):
+    with pytest.raises(TraceError, match="sample 0, token 0: layer 0 is dense in the model but carries experts"):
         trace_from_vllm(routes, mask, 2, (1, 2), 8, 2, 3)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_routes_packed_by_position_are_rejected_for_any_top_k(k):
+    # A producer that packs the MoE layers' routes into the first columns (the position mapping) leaves
+    # real routes in the dense layer's column. With top-1 no "distinct experts" test can see that.
+    rng = np.random.default_rng(2)
+    mask = make_batch([3], [3], 3, 6)
+    routes = engine_routes(rng, 3, 3, 4, [0], 8, k)
+    packed = np.zeros_like(routes)
+    packed[:, :3] = routes[:, 1:]
+    packed[0, 0] = np.arange(1, k + 1)  # token 0 routed to non-zero experts in the dense column
+    with pytest.raises(TraceError, match=r"sample 0, token 0: layer 0 is dense in the model but carries experts"):
+        trace_from_vllm([packed], mask, 3, (1, 2, 3), 8, k, 4)
+
+
+def test_layer_layout_follows_each_family_rule():
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    ds = layer_layout(DeepseekV3Config(num_hidden_layers=5, first_k_dense_replace=2, n_routed_experts=16,
+                                       num_experts_per_tok=4))
+    assert (ds.num_hidden_layers, ds.moe_layers, ds.num_experts, ds.top_k) == (5, (2, 3, 4), 16, 4)
+    qw = layer_layout(Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[1], decoder_sparse_step=1,
+                                     num_experts=8, num_experts_per_tok=2))
+    assert qw.moe_layers == (0, 2, 3)
+    assert layer_layout(MixtralConfig(num_hidden_layers=3)).moe_layers == (0, 1, 2)
+    with pytest.raises(TraceError, match="no MoE layer rule for model_type 'llama'"):
+        layer_layout(type("Cfg", (), {"model_type": "llama", "num_hidden_layers": 2})())
 
 
 def _set(arr, where, value):

@@ -265,3 +265,93 @@ def test_generation_capture_matches_trainer_and_r3_agreement_is_one():
     m = routing_metrics(s, trace, trace)
     assert m["routing/replayed_agreement"] == 1.0 and m["routing/violations"] == 0
     assert 0.5 < m["routing/agreement"] <= 1.0
+
+
+def _checkpointed(model):
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checkpointed_replay_of_a_trace_equal_to_native_routing(preset):
+    # The usual case: no row flipped, so the recompute's native top-k equals the replayed experts.
+    # The recompute must still take the substituting path, or torch raises CheckpointError.
+    model, ids = small_model(preset), random_ids(N, T)
+    _, trace = record(model, ids)
+    _checkpointed(model)
+    with routing_session(model, ids.shape, replay=trace, strict=True) as s:
+        model(ids, use_cache=False).logits.pow(2).mean().backward()
+    assert all(c == 2 for c in s.calls.values()), "recompute did not run (is checkpointing on?)"
+    assert s.violations == 0 and s.recompute_mismatches == 0
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_violations_are_counted_once_per_row_and_layer(reentrant):
+    # A foreign hook overrides one layer's experts on the forward and on the recompute: each valid
+    # row of that layer is one violation, not two (the trainer divides by valid rows x layers).
+    # Reentrant checkpointing reruns the whole layer; non-reentrant stops the recompute after the last
+    # saved tensor unless early stop is off, so both are forced to run the experts call again here.
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    model, ids = small_model("qwen3_moe"), random_ids(N, T)
+    layers = find_moe_layers(model)
+    trace = random_trace(N, T, tuple(x.layer_number for x in layers), 8, 2, seed=4)
+    target = layers[1]
+    idx, valid = trace.layer(target.layer_number)
+    fixed = torch.tensor([[0, 1]]).expand(N * T, 2)
+    differs = int(((idx.view(N * T, 2) != fixed).any(-1) & valid.reshape(-1)).sum())
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    runs = []
+    with routing_session(model, ids.shape, replay=trace) as s, set_checkpoint_early_stop(False):
+        hooks = [target.block.experts.register_forward_pre_hook(
+            lambda m, a: (a[0], fixed.to(a[1].dtype), a[2]) + tuple(a[3:])),
+            target.block.experts.register_forward_hook(lambda m, a, out: runs.append(1))]
+        try:
+            model(ids, use_cache=False).logits.pow(2).mean().backward()
+        finally:
+            for h in hooks:
+                h.remove()
+    assert len(runs) == 2, "the recompute did not run the experts call"
+    assert differs > 0 and s.violations == differs and s.layer_violations == {target.layer_number: differs}
+
+
+def test_repeated_experts_collapse_into_one_weight_as_megatron_does():
+    from moerl.models.routers import collapse_repeated
+
+    index = torch.tensor([[0, 0, 0, 0], [3, 1, 2, 0], [5, 1, 5, 5]])
+    weights = torch.full((3, 4), 0.25)
+    out = collapse_repeated(index, weights)
+    assert out.tolist() == [[0.25, 0, 0, 0], [0.25] * 4, [0.25, 0.25, 0, 0]]
+    assert torch.equal(collapse_repeated(index[1:2], weights[1:2]), weights[1:2])
+
+
+def test_position_mapping_reproduces_the_r3_bug_on_a_dense_first_layer_model():
+    # DeepSeek-V3 family: layer 0 dense, MoE layers 1 and 2. Mapped by position, MoE layer 1 reads the
+    # dense layer's zero-filled column (expert 0 twice, collapsed to one weight) and MoE layer 2 reads
+    # layer 1's routes; the session reports no violation, as the bug did.
+    model, ids = small_model("deepseek_v3"), random_ids(N, T)
+    logits, trace = record(model, ids)
+    seen = {}
+    layers = find_moe_layers(model)
+    with torch.no_grad(), routing_session(model, ids.shape, replay=trace, layer_mapping="position") as s:
+        hooks = [x.block.experts.register_forward_pre_hook(
+            lambda m, a, number=x.layer_number: seen.__setitem__(number, (a[1].clone(), a[2].clone())))
+            for x in layers]
+        try:
+            buggy = model(ids).logits
+        finally:
+            for h in hooks:
+                h.remove()
+    idx1, w1 = seen[1]
+    assert idx1.tolist() == [[0, 0]] * (N * T)
+    assert (w1[:, 1] == 0).all() and (w1[:, 0] > 0).all()  # expert 0 once, with one weight
+    assert torch.equal(seen[2][0].long(), trace.layer(1)[0].reshape(N * T, 2))
+    assert s.violations == 0
+    assert not torch.allclose(buggy, logits)
+    # The trainer's native routing against the trace is what gives it away.
+    assert routing_agreement(s.native, trace)[2] < 1.0
+    with pytest.raises(ValueError, match="unknown mapping 'pos'"):
+        with routing_session(model, ids.shape, replay=trace, layer_mapping="pos"):
+            pass

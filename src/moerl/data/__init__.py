@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from moerl.config import DataConfig
 from moerl.data.datasets import DataError, load_hub, load_local
-from moerl.data.synthetic import arith_splits
+from moerl.data.synthetic import arith_splits, worked_splits
 
 
 def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
@@ -12,6 +12,8 @@ def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     split is empty (a converter may need only the training rows; the trainer refuses it)."""
     if cfg.task == "arith":
         return arith_splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.max_a, cfg.max_bc)
+    if cfg.task == "arith_steps":
+        return worked_splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.max_a, cfg.max_bc)
     if cfg.train_path:
         train = load_local(cfg.train_path, cfg.task)
         test = load_local(cfg.test_path, cfg.task) if cfg.test_path else None

@@ -114,6 +114,23 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
 RoutingPolicy = Callable[[MoELayer, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
+def collapse_repeated(index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Zero the weight of every repeat of an expert within a row ([tokens, k]): the expert runs once.
+
+    A native top-k never repeats an expert; a replayed row can (a zero-filled row is expert 0 k times).
+    Megatron scatters a row's top-k into a [tokens, E] routing map and probability table
+    (megatron/core/transformer/moe/moe_utils.py ``topk_routing_with_score_function``:
+    ``zeros_like(logits).scatter(1, top_indices, probs)``), so repeats collapse into one expert with one
+    weight; the transformers experts loop would instead run the expert once per repeat and add them up."""
+    srt, order = index.sort(dim=-1, stable=True)
+    repeat_sorted = torch.zeros_like(srt, dtype=torch.bool)
+    repeat_sorted[..., 1:] = srt[..., 1:] == srt[..., :-1]
+    if not bool(repeat_sorted.any()):
+        return weights
+    repeat = torch.zeros_like(repeat_sorted).scatter(-1, order, repeat_sorted)
+    return weights.masked_fill(repeat, 0)
+
+
 @contextmanager
 def intercept_routing(model: nn.Module, policy: RoutingPolicy) -> Iterator[list[MoELayer]]:
     """Run ``policy`` on every MoE call inside the block; replaced indices get family-rule weights."""
@@ -132,7 +149,7 @@ def intercept_routing(model: nn.Module, policy: RoutingPolicy) -> Iterator[list[
                 return None
             new_index = new_index.to(index.dtype)
             new_weights = layer.family.gate_weights(layer.block, live["logits"], new_index, weights.dtype)
-            return (hidden, new_index, new_weights) + tuple(args[3:])
+            return (hidden, new_index, collapse_repeated(new_index, new_weights)) + tuple(args[3:])
 
         handles.append(layer.block.gate.register_forward_hook(keep_logits))
         handles.append(layer.block.experts.register_forward_pre_hook(route))

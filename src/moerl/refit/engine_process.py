@@ -42,7 +42,8 @@ def _build_engine(cfg, mode: str, base: dict, adapter: dict | None):
     if HFEngine is not None:
         engine = HFEngine(model, tok, cfg.rollout, cfg.data.task)
         return engine, engine.model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.rollout.dtype]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+    dtype = dtypes[cfg.rollout.dtype]
     model = model.to(dtype).eval().requires_grad_(False)
     return None, model
 
@@ -122,7 +123,8 @@ class EngineProcess:
 
         self.mode = mode or cfg.refit.mode
         self.timeout, self.num_slots = timeout, num_slots
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.rollout.dtype]
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+        dtype = dtypes[cfg.rollout.dtype]
         if self.mode == "adapter":
             base = base_state_dict(policy, dtype)
             adapter = {k: v.to(dtype).clone() for k, v in canonical_adapter(policy).items()}

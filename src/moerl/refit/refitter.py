@@ -20,7 +20,8 @@ from moerl.refit.loaders import make_apply
 from moerl.refit.plan import PlanCache, Receiver, TransferPlan, dtype_name, pack_bucket
 from moerl.refit.weights import effective_state_dict
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# An fp8 rollout keeps LoRA tensors in bf16 over its FP8 base: they travel in bf16.
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 class LocalTransport:

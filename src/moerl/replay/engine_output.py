@@ -14,17 +14,22 @@ after it. MoE columns are picked by *global layer number* (``moe_layers``), neve
 A row count, layer count, top-k or expert id that does not fit raises a TraceError naming the
 sample; nothing is truncated or zero-filled. Rows the engine reports as missing (all ids -1, the
 NeMo-RL sentinel), rows before an SGLang start offset, the last generated token and padding are
-marked invalid, so replay falls back to the trainer's native top-k there.
+marked invalid, so replay falls back to the trainer's native top-k there; so are rows that repeat an
+expert id (counted in ``RoutingTrace.duplicate_rows``).
 """
 from __future__ import annotations
 
 import base64
+import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from moerl.replay.trace import RoutingTrace, TraceError, index_dtype
+
+log = logging.getLogger(__name__)
 
 
 def batch_layout(attention_mask: torch.Tensor, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +56,41 @@ def batch_layout(attention_mask: torch.Tensor, prompt_length: int) -> tuple[torc
         if p_len[i] == 0:
             raise TraceError(f"sample {i}: empty prompt")
     return p_len, r_len
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Which decoder layers are MoE, read from the model config, so the mapping of an engine's
+    ``[tokens, num_hidden_layers, top_k]`` routes onto the trainer's routers is never guessed."""
+    num_hidden_layers: int
+    moe_layers: tuple[int, ...]  # global layer numbers
+    num_experts: int
+    top_k: int
+
+
+def layer_layout(config) -> LayerLayout:
+    """LayerLayout of a transformers config, by the family's own rule for which layers get an MoE block
+    (transformers ``DeepseekV3DecoderLayer``: ``layer_idx >= first_k_dense_replace``;
+    ``Qwen3MoeDecoderLayer``: not in ``mlp_only_layers`` and ``(layer_idx + 1) % decoder_sparse_step == 0``;
+    Mixtral: every layer)."""
+    kind = getattr(config, "model_type", None)
+    n = int(config.num_hidden_layers)
+    if kind in ("deepseek_v3", "kimi_k2"):
+        freq = int(getattr(config, "moe_layer_freq", 1) or 1)
+        moe = tuple(i for i in range(n) if i >= config.first_k_dense_replace and i % freq == 0)
+        experts = config.n_routed_experts
+    elif kind == "qwen3_moe":
+        moe = tuple(i for i in range(n) if i not in config.mlp_only_layers and config.num_experts > 0
+                    and (i + 1) % config.decoder_sparse_step == 0)
+        experts = config.num_experts
+    elif kind == "mixtral":
+        moe, experts = tuple(range(n)), config.num_local_experts
+    else:
+        raise TraceError(f"layer_layout: no MoE layer rule for model_type '{kind}' "
+                         f"(have deepseek_v3, kimi_k2, qwen3_moe, mixtral)")
+    if not moe:
+        raise TraceError(f"layer_layout: {kind} config with {n} layers has no MoE layer")
+    return LayerLayout(n, moe, int(experts), int(config.num_experts_per_tok))
 
 
 def _as_int64(rows, sample: int) -> np.ndarray:
@@ -83,6 +123,7 @@ def trace_from_engine_rows(rows: Sequence, attention_mask: torch.Tensor, prompt_
 
     idx = np.zeros((n, t, len(moe_layers), top_k), dtype=np.int64)
     valid = np.zeros((n, t), dtype=bool)
+    duplicate_rows = 0
     for i, sample_rows in enumerate(rows):
         p, r = int(p_len[i]), int(r_len[i])
         # Batch column of each position of the unpadded sequence: prompt right-aligned, response after.
@@ -106,14 +147,18 @@ def trace_from_engine_rows(rows: Sequence, attention_mask: torch.Tensor, prompt_
         if arr.shape[0] != routed - s:
             raise TraceError(f"{source} sample {i}: {arr.shape[0]} token rows, expected {routed - s} "
                              f"(prompt {p} + response {r} - 1 - start {s})")
-        if top_k > 1 and dense:
-            d = np.sort(arr[:, dense], axis=-1)
-            routed_dense = (d[..., 1:] != d[..., :-1]).all(-1) & (d >= 0).all(-1)
-            if routed_dense.any():
-                tok, col = np.argwhere(routed_dense)[0]
-                raise TraceError(f"{source} sample {i}, token {s + tok}: layer {dense[col]} carries distinct "
-                                 f"experts {arr[tok, dense[col]].tolist()} but the model has it as dense; the "
-                                 f"layer layout does not match (MoE layers {moe_layers})")
+        if dense:
+            # The engines never write a dense layer's column: it stays zero-filled (or -1 on a row the
+            # engine reports as missing). Anything else there means the routes are laid out by another
+            # layer mapping (e.g. MoE routes packed by position), whatever top-k is; with top-1 a
+            # "distinct experts" test could not tell.
+            d = arr[:, dense]
+            filled = (d == 0).all(-1) | (d < 0).all(-1)
+            if not filled.all():
+                tok, col = np.argwhere(~filled)[0]
+                raise TraceError(f"{source} sample {i}, token {s + tok}: layer {dense[col]} is dense in the model "
+                                 f"but carries experts {arr[tok, dense[col]].tolist()} (a dense layer's column is "
+                                 f"zero-filled); the routes' layer layout does not match MoE layers {moe_layers}")
         moe = arr[:, list(moe_layers)]  # by global layer number
         missing = (moe < 0).all(axis=(1, 2))
         partial = (moe < 0).any(axis=(1, 2)) & ~missing
@@ -126,11 +171,22 @@ def trace_from_engine_rows(rows: Sequence, attention_mask: torch.Tensor, prompt_
             tok, col, _ = np.argwhere(too_big)[0]
             raise TraceError(f"{source} sample {i}, token {s + tok}, layer {moe_layers[col]}: expert id "
                              f"{int(moe[tok, col].max())} out of range [0, {num_experts})")
+        # A row that repeats an expert in some MoE layer cannot be replayed (a top-k never repeats one):
+        # that row falls back to the trainer's native routing and is counted, the rest of the batch
+        # replays. verl does the same per token with a replay mask (verl
+        # utils/megatron/router_replay_utils.py ``build_r3_replay_mask`` + ``RouterReplay.get_replay_topk``:
+        # torch.where(mask, replayed, native)).
+        srt = np.sort(moe, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]).any(axis=(1, 2)) & ~missing
+        duplicate_rows += int(dup.sum())
         target = cols[s:routed]
-        idx[i, target] = np.where(missing[:, None, None], 0, moe)
-        valid[i, target] = ~missing
+        idx[i, target] = np.where((missing | dup)[:, None, None], 0, moe)
+        valid[i, target] = ~(missing | dup)
+    if duplicate_rows:
+        log.warning("%s: %d token rows repeat an expert id in some MoE layer; they use native routing",
+                    source, duplicate_rows)
     return RoutingTrace(torch.from_numpy(idx).to(index_dtype(num_experts)), torch.from_numpy(valid),
-                        moe_layers, num_experts, top_k)
+                        moe_layers, num_experts, top_k, duplicate_rows=duplicate_rows)
 
 
 def trace_from_vllm(routed_experts: Sequence, attention_mask: torch.Tensor, prompt_length: int,

@@ -39,15 +39,19 @@ def innermost_experts(block: nn.Module) -> nn.Module:
 class RoutingSession:
     """What one forward (plus its checkpoint recompute) routed, per MoE layer (global layer number)."""
 
-    def __init__(self, batch_shape: tuple[int, int], replay: RoutingTrace | None, strict: bool):
+    def __init__(self, batch_shape: tuple[int, int], replay: RoutingTrace | None, strict: bool,
+                 layer_mapping: str = "layer_number"):
+        if layer_mapping not in ("layer_number", "position"):
+            raise ValueError(f"replay.layer_mapping: unknown mapping '{layer_mapping}' (layer_number or position)")
         self.batch_shape = batch_shape
         self.replay_trace = replay
         self.strict = strict
+        self.layer_mapping = layer_mapping
         self.native: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] native top-k (first call)
         self.used: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the session chose (first call)
         self.received: dict[int, torch.Tensor] = {}  # layer -> [N, T, k] experts the module got (first call)
         self.calls: dict[int, int] = {}  # layer -> MoE calls seen (2 per layer under checkpointing)
-        self.violations = 0  # valid (row, layer, call)s whose received experts differ from the trace
+        self.violations = 0  # valid (row, layer)s whose first-call experts differ from the trace
         self.layer_violations: dict[int, int] = {}
         self.recompute_mismatches = 0  # rows where a recompute received other experts than the first call
         self.layers: list[MoELayer] = []
@@ -61,30 +65,55 @@ class RoutingSession:
                              f"{n}x{t} (the session's batch shape)")
         self.calls[number] = self.calls.get(number, 0) + 1
         if self.calls[number] > 1:
-            # Recompute (activation checkpointing): the first call's experts, whatever native says now.
+            # Recompute (activation checkpointing): the first call's experts, whatever native says now,
+            # and by the same code path. A replaying first call substituted (index, weights), so the
+            # recompute substitutes too, even when the recomputed native top-k happens to equal it:
+            # returning None there would skip the weight recomputation, save fewer tensors than the
+            # first forward did, and torch.utils.checkpoint raises CheckpointError.
             first = self.used[number].view(n * t, -1).to(native.device)
-            return None if torch.equal(first, native) else first
+            if self.replay_trace is None and torch.equal(first, native):
+                return None  # the first call kept native routing too: same path
+            return first
         self.native[number] = native.detach().view(n, t, -1).clone()
         if self.replay_trace is None:
             self.used[number] = self.native[number]
             return None
-        trace_idx, valid = self.replay_trace.layer(number)
+        trace_idx, valid = self.replayed(number)
         chosen = torch.where(valid.reshape(-1, 1).to(native.device), trace_idx.reshape(n * t, -1).to(native.device),
                              native)
         self.used[number] = chosen.detach().view(n, t, -1).clone()
         return chosen
 
+    def replayed(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [N, T, k], valid [N, T]) this session feeds to MoE layer ``number``.
+
+        ``layer_number`` (always, outside a bug reproduction): the trace's column for that global layer.
+        ``position`` reproduces the bug that broke R3 on models with dense first layers: the i-th MoE
+        router read the engine's column i, i.e. global layer i, which for DeepSeek-V3-style models is a
+        dense layer (zero-filled by vLLM: expert 0 k times) for the first MoE layers and another layer's
+        routes for the rest (old verl's per-router slicing, fixed by verl PR 5037 / Mind Lab's R3 fix).
+        Violations are counted against this, so the bug shows ``violations=0`` as it did."""
+        trace = self.replay_trace
+        if self.layer_mapping == "layer_number":
+            return trace.layer(number)
+        source = trace.moe_layers.index(number)  # this router's position among the MoE layers
+        if source in trace.moe_layers:
+            return trace.layer(source)
+        return torch.zeros_like(trace.layer(number)[0]), trace.valid  # a dense layer's zero-filled column
+
     # -- the check (runs in a forward hook on the innermost experts module) --------------------------
     def check(self, number: int, received: torch.Tensor) -> None:
         n, t = self.batch_shape
         got = received.detach().long().view(n, t, -1)
-        if number not in self.received:
-            self.received[number] = got.clone()
-        else:
+        if number in self.received:
+            # A recompute: compared with the first call, not with the trace again, so each valid
+            # (row, layer) is checked against the trace exactly once (what ``checked_rows`` counts).
             self.recompute_mismatches += int((got != self.received[number].to(got.device)).any(-1).sum())
+            return
+        self.received[number] = got.clone()
         if self.replay_trace is None:
             return
-        trace_idx, valid = self.replay_trace.layer(number)
+        trace_idx, valid = self.replayed(number)
         bad = count_violations(got, trace_idx.to(got.device), valid.to(got.device))
         if bad:
             self.violations += bad
@@ -116,14 +145,16 @@ class RoutingSession:
 
 @contextmanager
 def routing_session(model: nn.Module, input_shape: tuple[int, int], replay: RoutingTrace | None = None,
-                    strict: bool = False) -> Iterator[RoutingSession]:
+                    strict: bool = False, layer_mapping: str = "layer_number") -> Iterator[RoutingSession]:
     """Hooks for one forward (+ backward) on a batch of ``input_shape`` = (N, T).
 
     ``replay``: a trace to replay (R3: the rollout's; R2: ``to_trace`` of the old-logprob session),
     already sliced to this micro-batch and to the forwarded token columns. ``strict`` raises
     ReplayViolation on the first valid row whose received experts differ from the trace.
+    ``layer_mapping="position"`` reproduces the R3 layer-mapping bug (``RoutingSession.replayed``);
+    never use it for anything else.
     """
-    session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict)
+    session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict, layer_mapping)
     with intercept_routing(model, session.policy) as layers:
         session.layers = layers
         if replay is not None:

@@ -34,6 +34,8 @@ class RoutingTrace:
     # Batch-level index of each row when this trace is a slice (a micro-batch) of a batch's trace:
     # errors name the sample of the batch, not its position inside the micro-batch.
     rows: torch.Tensor | None = None
+    # Rows an engine reported with a repeated expert id, turned invalid (native routing) by the parser.
+    duplicate_rows: int = 0
 
     def __post_init__(self) -> None:
         self.moe_layers = tuple(int(x) for x in self.moe_layers)

@@ -1,7 +1,8 @@
 """The embedded rollout engine: its own copy of the policy, in its own precision, over `generate`.
 
-It plays vLLM's role on a CPU: sampling in bf16 (by default) while the trainer computes in fp32,
-which is exactly the training-inference mismatch the repo studies. It records every token's
+It plays vLLM's role on a CPU: sampling in bf16 (by default; fp8 rounds the weights through e4m3
+as an FP8 rollout does) while the trainer computes in fp32, which is exactly the training-inference
+mismatch the repo studies. It records every token's
 experts with hooks on the routers while generating (prefill calls see [B*T0] tokens, each decode
 step [B]); like every real engine it never forwards the last sampled token, so that token has no
 route.
@@ -19,8 +20,10 @@ from moerl.data.prompts import render_prompt
 from moerl.data.tokenizer import BOS
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
+from moerl.rollout.fp8 import quantize_model_fp8
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# fp8: weights rounded through e4m3 (per-channel scales), computed in bf16 (moerl.rollout.fp8).
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 class HFEngine:
@@ -30,6 +33,7 @@ class HFEngine:
         self.model = copy.deepcopy(policy).to(self.dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        self.fp8_weights = quantize_model_fp8(self.model) if cfg.dtype == "fp8" else []
 
     # -- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -53,6 +57,8 @@ class HFEngine:
             if name not in state:
                 raise KeyError(f"engine has no tensor '{name}'")
             state[name].copy_(tensor.to(state[name].dtype))
+        if self.fp8_weights:  # new base weights: round them through e4m3 again, as an FP8 engine's refit does
+            quantize_model_fp8(self.model)
 
     # -- generation ---------------------------------------------------------------------------------
     def encode_prompts(self, questions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,8 @@ from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, resumable
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
-from moerl.trainer.metrics import mismatch_metrics, token_samples
+from moerl.trainer.metrics import (AgreementAlarm, extreme_token_curve, mismatch_metrics, paired_replay_effect,
+                                  routing_divergence, token_samples)
 from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class GRPOTrainer:
         self.refitter = (VLLMAdapterRefit(self.policy, self.engine) if cfg.rollout.engine == "vllm" else
                          make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype))
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
+        self.agreement_alarm = AgreementAlarm(cfg.replay.agreement_alarm)
         self.step_idx = 0
         if cfg.loss.variant == "bypass":
             log.warning("loss.variant=bypass skips the old-logprob pass (pi_old = pi_rollout): the trainer's "
@@ -181,6 +183,8 @@ class GRPOTrainer:
         old_logp = old.logp
         # R3: the updates replay the rollout's experts; R2: the experts the trainer chose above.
         update_replay = {"none": None, "R2": old.routes, "R3": batch.routing}[cfg.replay.mode]
+        with timer("consequence_metrics"):  # before the update: a paired pass needs the same weights
+            consequences = self.consequence_metrics(batch, old)
 
         # 4. Policy updates (mini-batches x micro-batches), replaying routes under R2/R3.
         self.set_learning_rate()
@@ -205,6 +209,7 @@ class GRPOTrainer:
             metrics.update(routing_metrics(old.routes, batch.routing))
             metrics.update({"replay/old_pass_violations": old.violations,
                             "replay/old_pass_recompute_mismatches": old.recompute_mismatches})
+        metrics.update(consequences)
         if cfg.trainer.samples_every and self.step_idx % cfg.trainer.samples_every == 0:
             self.save_token_samples(old_logp, batch, mask)
         if cfg.trainer.eval_every and self.step_idx % cfg.trainer.eval_every == 0:
@@ -229,7 +234,7 @@ class GRPOTrainer:
         for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
             sub = batch.select(rows)
             with trainer_routing(self.policy, sub, None if replay is None else replay[rows],
-                                 strict=self.cfg.replay.strict) as session:
+                                 strict=self.cfg.replay.strict, layer_mapping=self.cfg.replay.layer_mapping) as session:
                 logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
             logps.append(logp)
             routes.append(session_trace(session, sub))
@@ -256,7 +261,8 @@ class GRPOTrainer:
                 for rows in _chunks(mini, cfg.trainer.micro_batch_size):
                     sub = batch.select(rows)
                     trace = None if replay is None else replay[rows]
-                    with trainer_routing(self.policy, sub, trace, strict=cfg.replay.strict) as session:
+                    with trainer_routing(self.policy, sub, trace, strict=cfg.replay.strict,
+                                         layer_mapping=cfg.replay.layer_mapping) as session:
                         logp, entropy = forward_logprobs(self.policy, sub, cfg.rollout.temperature,
                                                          with_entropy=True)
                         loss, m = policy_loss(logp, old_logp[rows], batch.rollout_logprobs[rows],
@@ -294,6 +300,36 @@ class GRPOTrainer:
             # Under R2/R3: share of replayed (row, layer) pairs whose experts equal the trace; 1.0 unless broken.
             out["routing/replayed_agreement"] = 1.0 - checks["replay/violations"] / checks["replay/checked_rows"]
         return {**out, **checks}
+
+    def consequence_metrics(self, batch: RolloutBatch, old: OldLogprobPass) -> dict:
+        """What the mismatch does (experiment 05): tokens re-routed in any layer, the extreme-ratio curve
+        F(tau), and every ``trainer.paired_replay_every`` steps the same batch's old logprobs with and
+        without replay (k3 ratio, bootstrap interval); the no-replay pass also sets the reference of the
+        R3 agreement alarm. ``old.routes`` is the old pass's native routing (under R3, of replayed
+        states). Runs before the update, so a paired pass sees the weights ``old.logp`` came from."""
+        mask = batch.response_mask
+        out = extreme_token_curve(old.logp, batch.rollout_logprobs, mask)
+        if batch.routing is None or old.routes is None:
+            return out
+        rollout = batch.routing.truncate_tokens(old.routes.shape[1])  # the trainer's T-1 positions
+        out.update(routing_divergence(old.routes, rollout))
+        out["routing/duplicate_rows"] = float(batch.routing.duplicate_rows)
+
+        def agreement(trace: RoutingTrace) -> float:
+            per_layer = routing_agreement({n: trace.layer(n)[0] for n in rollout.moe_layers}, rollout)
+            vals = [v for v in per_layer.values() if v == v]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        every = self.cfg.trainer.paired_replay_every
+        replays = self.cfg.replay.mode == "R3"  # the old pass replayed the rollout's routes
+        if every and self.step_idx % every == 0:
+            other = self.old_logprobs(batch, None if replays else batch.routing)
+            self.agreement_alarm.observe_reference(agreement(other.routes if replays else old.routes))
+            replayed, plain = (old.logp, other.logp) if replays else (other.logp, old.logp)
+            out.update(paired_replay_effect(replayed, plain, batch.rollout_logprobs, mask, seed=self.step_idx))
+        if replays:
+            out.update(self.agreement_alarm.check(agreement(old.routes), self.step_idx + 1))
+        return out
 
     def set_learning_rate(self) -> float:
         """Linear warm-up over trainer.warmup_steps, a function of the step alone (resume-exact)."""
@@ -381,7 +417,8 @@ class GRPOTrainer:
             return float(np.mean(vals)) if vals else None
 
         keys = sorted({k for r in train for k in r if k.startswith(("mismatch/", "clip/", "is/", "mask/",
-                                                                     "effective/", "routing/", "time/"))})
+                                                                     "effective/", "routing/", "time/",
+                                                                     "replay_effect/"))})
         return {"run": self.cfg.run_name, "steps": self.step_idx,
                 "warm_start_accuracy": self.warm_start_meta.get("test_accuracy"),
                 "initial_eval": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else None,

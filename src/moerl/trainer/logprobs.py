@@ -39,12 +39,13 @@ def forward_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float =
 # engine forwards it either), so routing covers the first T-1 positions of a batch.
 @contextmanager
 def trainer_routing(model: nn.Module, batch: RolloutBatch, replay: RoutingTrace | None = None,
-                    strict: bool = False) -> Iterator[RoutingSession]:
+                    strict: bool = False, layer_mapping: str = "layer_number") -> Iterator[RoutingSession]:
     """The routing session of one ``forward_logprobs`` of ``batch`` (and its backward): records the
-    trainer's experts and, with ``replay`` (a trace over the batch's T positions), replays them."""
+    trainer's experts and, with ``replay`` (a trace over the batch's T positions), replays them
+    (``layer_mapping``: see moerl.config.ReplayConfig; ``position`` reproduces a bug)."""
     n, t = batch.input_ids.shape
     trace = None if replay is None else replay.truncate_tokens(t - 1)
-    with routing_session(model, (n, t - 1), replay=trace, strict=strict) as session:
+    with routing_session(model, (n, t - 1), replay=trace, strict=strict, layer_mapping=layer_mapping) as session:
         yield session
 
 

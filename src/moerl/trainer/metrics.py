@@ -151,3 +151,118 @@ def token_samples(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: 
         "masked": corr.masked[r, t].cpu().numpy(),
     }
 
+
+
+# -- what the mismatch does to routing and to the IS ratios (experiment 05's questions) -------------
+EXTREME_TAUS = (1.5, 2.0, 5.0, 10.0)
+
+
+@torch.no_grad()
+def routing_divergence(native, rollout) -> dict[str, float]:
+    """How many tokens the mismatch re-routes, counted per token rather than per layer.
+
+    ``native`` and ``rollout`` are RoutingTraces over the same rows (the trainer's native top-k and the
+    engine's). Over the rollout's valid rows: ``routing/any_layer_differs`` is the share of tokens whose
+    top-k *set* differs in at least one MoE layer (the R3 paper's "~94 % of tokens differ in >= 1
+    router"), ``routing/differing_layers_mean`` the mean number of such layers per token."""
+    from moerl.replay.diagnostics import same_set
+
+    if native.moe_layers != rollout.moe_layers:
+        raise ValueError(f"routing_divergence: native layers {native.moe_layers} != rollout layers "
+                         f"{rollout.moe_layers}")
+    if tuple(native.indices.shape) != tuple(rollout.indices.shape):
+        raise ValueError(f"routing_divergence: native {tuple(native.indices.shape)} vs rollout "
+                         f"{tuple(rollout.indices.shape)}")
+    valid = rollout.valid
+    if not bool(valid.any()):
+        return {"routing/any_layer_differs": float("nan"), "routing/differing_layers_mean": float("nan")}
+    differs = ~same_set(native.indices, rollout.indices)  # [N, T, L]
+    per_token = differs[valid].sum(-1).float()
+    return {"routing/any_layer_differs": float((per_token > 0).float().mean()),
+            "routing/differing_layers_mean": float(per_token.mean())}
+
+
+@torch.no_grad()
+def extreme_token_curve(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                        taus=EXTREME_TAUS) -> dict[str, float]:
+    """F(tau) = share of response tokens with max(rho, 1/rho) > tau, rho = pi_trainer/pi_rollout.
+
+    The tail the IS corrections act on: TIS truncates above its cap, IcePop/MIS mask outside their band;
+    the R3 paper reports tokens with ratio > 2 dropping ~10x under replay. Keys ``mismatch/extreme_gt{tau}``."""
+    m = mask.bool()
+    if not bool(m.any()):
+        return {f"mismatch/extreme_gt{tau:g}": float("nan") for tau in taus}
+    delta = (trainer_logp.detach().float() - rollout_logp.detach().float())[m].abs()
+    return {f"mismatch/extreme_gt{tau:g}": float((delta > math.log(tau)).float().mean()) for tau in taus}
+
+
+def _k3_per_sequence(trainer_logp, rollout_logp, m) -> torch.Tensor:
+    delta = torch.where(m, trainer_logp.float() - rollout_logp.float(), torch.zeros(()))
+    k3 = torch.expm1(delta) - delta
+    return (k3 * m).sum(-1), m.sum(-1).float()
+
+
+@torch.no_grad()
+def paired_replay_effect(replayed_logp: torch.Tensor, native_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                         mask: torch.Tensor, resamples: int = 1000, seed: int = 0,
+                         level: float = 0.95) -> dict[str, float]:
+    """k3 of the same rollout batch with and without replay, as a ratio with a bootstrap interval.
+
+    Both old-logprob passes see the same weights, tokens and rollout logprobs, so the ratio
+    k3(native) / k3(replayed) isolates what replay does to the mismatch; comparing seeds or batches
+    instead mixes in batch-to-batch variance (1-38x per batch in experiment 00). The interval
+    resamples sequences (tokens within a sequence are not independent). Keys ``replay_effect/``."""
+    m = mask.bool()
+    has = m.any(-1)
+    if not bool(has.any()):
+        return {}
+    k3_rep, tokens = _k3_per_sequence(replayed_logp, rollout_logp, m)
+    k3_nat, _ = _k3_per_sequence(native_logp, rollout_logp, m)
+    k3_rep, k3_nat, tokens = k3_rep[has].double(), k3_nat[has].double(), tokens[has].double()
+
+    def ratio(idx):
+        return k3_nat[idx].sum(-1) / k3_rep[idx].sum(-1).clamp(min=1e-30)
+
+    n = int(tokens.numel())
+    gen = torch.Generator().manual_seed(seed)
+    boots = ratio(torch.randint(0, n, (resamples, n), generator=gen))
+    lo, hi = torch.quantile(boots, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=boots.dtype))
+    total = tokens.sum()
+    return {"replay_effect/k3_replayed": float(k3_rep.sum() / total),
+            "replay_effect/k3_native": float(k3_nat.sum() / total),
+            "replay_effect/k3_ratio": float(ratio(torch.arange(n))),
+            "replay_effect/k3_ratio_lo": float(lo), "replay_effect/k3_ratio_hi": float(hi),
+            "replay_effect/seqs": float(n)}
+
+
+class AgreementAlarm:
+    """Warns when routing agreement under R3 falls far below its no-replay level.
+
+    A trace fed to the wrong layers still gives ``violations=0`` and ``replayed_agreement=1.0``: the
+    experts received equal the trace, it is just the wrong trace. What shows it is the trainer's own
+    native top-k against the trace: replaying the right routes keeps the disagreement at or below its
+    no-replay level (the hidden states become the rollout's); routes of another layer push it far above.
+    Fires when ``1 - agreement > factor * (1 - reference) + margin``. The no-replay reference is measured
+    on the same batches by the paired pass (``trainer.paired_replay_every``)."""
+
+    margin = 0.01  # absolute slack: a reference disagreement near 0 must not make noise an alarm
+
+    def __init__(self, factor: float):
+        self.factor, self.reference = factor, None
+
+    def observe_reference(self, agreement: float) -> None:
+        if agreement == agreement:
+            self.reference = agreement
+
+    def check(self, agreement: float, step: int) -> dict[str, float]:
+        if self.reference is None or agreement != agreement:
+            return {}
+        fired = 1.0 - agreement > self.factor * (1.0 - self.reference) + self.margin
+        if fired:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "step %d: routing agreement under replay %.3f is far below its no-replay level %.3f: the "
+                "replayed routes do not belong to these layers (check the layer mapping)", step, agreement,
+                self.reference)
+        return {"routing/agreement_alarm": float(fired), "routing/agreement_reference": self.reference}

@@ -41,7 +41,7 @@ def warm_start_dir(cfg: ExperimentConfig) -> Path:
 
 def _sft_batch(rows: list[dict], tokenizer, task: str):
     prompts = [BOS + render_prompt(task, r["question"]) for r in rows]
-    targets = [render_target(r["answer"]) + EOS for r in rows]
+    targets = [render_target(r["answer"], r.get("target")) + EOS for r in rows]
     p_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     t_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in targets]
     length = max(len(p) + len(t) for p, t in zip(p_ids, t_ids))

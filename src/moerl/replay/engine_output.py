@@ -1,6 +1,7 @@
 """Turn a rollout engine's per-request routed experts into a RoutingTrace aligned with the batch.
 
-What the engines return (../shared/research/upstream_code.md 4(b), 5):
+What the engines return (vLLM ``vllm/outputs.py`` ``CompletionOutput.routed_experts`` since 0.22; SGLang
+``meta_info["routed_experts"]``; read in verl 0.9.1 ``verl/utils/megatron/router_replay_utils.py``):
 - vLLM (``enable_return_routed_experts``): ``CompletionOutput.routed_experts``, numpy
   ``[prompt + response - 1, num_hidden_layers, top_k]``. Every decoder layer has a column; dense
   layers (DeepSeek-V3/Kimi-K2's first layers) are zero-filled. The last generated token has no row:

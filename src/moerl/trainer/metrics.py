@@ -9,13 +9,14 @@ policy sampled, with the per-token log ratio
     k2 = ½ Δ²          (low variance, biased)
     k3 = e^Δ - 1 - Δ   (unbiased and ≥ 0; R3 paper, verl rollout_corr/k3_kl, Miles)
 
-(Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html; papers.md §6).
+(Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html).
 The names and definitions of the perplexity metrics follow verl's ``compute_offpolicy_metrics``
-(``rollout_corr/log_ppl_diff`` etc., upstream_code.md 1c) so tiny-CPU and scale runs compare 1:1:
+(``rollout_corr/log_ppl_diff`` etc., verl 0.9.1 ``trainer/ppo/rollout_corr_helper.py``) so tiny-CPU and
+scale runs compare 1:1:
 per sequence, log_ppl_diff = mean_t log π_rollout - mean_t log π_trainer = log(PPL_trainer/PPL_rollout).
 
 Where π_trainer is π_old (the trainer's no-grad recompute before the update) these measure the
-mismatch itself; the lead's loop passes ``old_logp`` here.
+mismatch itself; the GRPO loop passes ``old_logp`` here.
 """
 from __future__ import annotations
 

@@ -82,11 +82,10 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
         lines.append("- total sweep wall time: not recorded (runs were not made by scripts/sweep.py)")
     lines.append(f"- machine: {machines(exp_dir)}")
     if figures:
+        links = [f"[{q.name}]({figures}/{experiment}_{q.name}.png)" for q in load_questions(experiment)]
+        links += [f"[accuracy]({figures}/{experiment}_accuracy.png)", f"[IS weights]({figures}/{experiment}_is_hist.png)"]
         lines += ["", f"![what each arm does to the mismatch]({figures}/{experiment}_summary.png)", "",
-                  "One figure per question: " + ", ".join(
-                      f"[{q.name}]({figures}/{experiment}_{q.name}.png)" for q in load_questions(experiment))
-                  + f", [accuracy]({figures}/{experiment}_accuracy.png), "
-                    f"[IS weights]({figures}/{experiment}_is_hist.png)."]
+                  "Figures: " + ", ".join(links) + "."]
     lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished).", ""]
     header = ["arm", "seeds"] + [h for _, h, _, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

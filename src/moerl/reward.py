@@ -10,12 +10,31 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 
+import math_verify.parser
 from math_verify import parse, verify
 
 # We disable the alarm-based timeouts on purpose (see above); silence the per-call warning about it.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_COMPLETION_CHARS = 2000  # bounds parse time without a signal-based timeout
+PARSE_CACHE_SIZE = 1 << 16
+
+
+def _enlarge_parse_caches() -> None:
+    """Give math-verify's own LaTeX/expression parse caches room for a whole run's answers.
+
+    math-verify memoises ``parse_latex_cached`` / ``parse_expr_cached`` (the sympy parse, ~1.5 ms a
+    call, most of a reward's cost) with 20 entries, fewer than the distinct answers in one GRPO batch,
+    so nearly every call misses. We re-wrap the same upstream functions in a larger LRU; the parser
+    looks them up as module globals at call time, so results are the library's own, computed once.
+    """
+    for name in ("parse_latex_cached", "parse_expr_cached"):
+        cached = getattr(math_verify.parser, name)
+        if cached.cache_info().maxsize < PARSE_CACHE_SIZE:
+            setattr(math_verify.parser, name, lru_cache(maxsize=PARSE_CACHE_SIZE)(cached.__wrapped__))
+
+
+_enlarge_parse_caches()
 
 
 @lru_cache(maxsize=1 << 16)

@@ -85,3 +85,43 @@ def test_refit_rejects_unknown_or_misshapen_tensors(tokenizer):
         engine.load_adapter({"nope": p})
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         engine.load_adapter({name: p[:1]})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp8"])
+def test_materialised_expert_lora_is_bit_identical_to_peft_per_forward(tokenizer, dtype, monkeypatch):
+    """The engine folds each expert LoRA into its weight once per generate; PEFT folds it on every
+    forward. Same sequences, same logprobs, same routes, bit for bit; and a refit still shows."""
+    import moerl.rollout.hf as hf
+    from contextlib import nullcontext
+
+    policy = lora_policy(tokenizer)
+    engine = HFEngine(policy, tokenizer, RolloutConfig(dtype=dtype, max_new_tokens=6, capture_routing=True))
+
+    def both():
+        fast = engine.generate(QUESTIONS * 2, ANSWERS * 2, group_size=4, seed=5)
+        with monkeypatch.context() as m:
+            m.setattr(hf, "expert_lora_materialised", lambda model: nullcontext())
+            slow = engine.generate(QUESTIONS * 2, ANSWERS * 2, group_size=4, seed=5)
+        return fast, slow
+
+    fast, slow = both()
+    assert torch.equal(fast.input_ids, slow.input_ids)
+    assert torch.equal(fast.rollout_logprobs, slow.rollout_logprobs)
+    assert torch.equal(fast.routing.indices, slow.routing.indices)
+    # After the context the wrappers fold per forward again (no parametrization left behind).
+    experts = [m for n, m in engine.model.named_modules() if n.endswith("mlp.experts")]
+    assert experts and not any(hasattr(m, "parametrizations") for m in experts)
+    # A refit that changes the expert LoRA changes what the next generate computes.
+    new = {k: v.detach() * 3 for k, v in policy.named_parameters() if v.requires_grad and "experts" in k}
+    engine.load_adapter(new)
+    refitted, slow_refitted = both()
+    assert torch.equal(refitted.rollout_logprobs, slow_refitted.rollout_logprobs)
+    assert not torch.equal(refitted.rollout_logprobs, fast.rollout_logprobs)
+
+
+def test_materialised_expert_lora_refuses_autograd(tokenizer):
+    from moerl.lora.peft_lora import expert_lora_materialised
+
+    with pytest.raises(RuntimeError, match="inference"):
+        with expert_lora_materialised(lora_policy(tokenizer)):
+            pass

@@ -6,6 +6,9 @@ A/B pair per expert: the ``per_expert`` mode. The ``shared`` and ``shared_outer`
 """
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
@@ -53,3 +56,30 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only (what adapter refit sends), detached."""
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@contextmanager
+def expert_lora_materialised(model: torch.nn.Module) -> Iterator[int]:
+    """Inference only: each LoRA-wrapped expert tensor's effective weight, computed once for the
+    whole context instead of on every forward; yields how many tensors were materialised.
+
+    PEFT's ``ParamWrapper`` registers a parametrization on every forward that folds
+    ``W + scaling * B @ A`` into one ``baddbmm`` over the whole expert stack, then removes it. In a
+    generation loop that is one fold per decoded token, per layer, per tensor (about a third of a
+    decode step here), while the weights only change at a refit. We enter PEFT's own activation
+    (the same fold, in the same dtype) once and make the wrappers call their base layer directly
+    until the context ends, so every forward sees bit-identical weights.
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if torch.is_grad_enabled():
+        raise RuntimeError("expert_lora_materialised is for inference (torch.no_grad()): a cached "
+                           "fold would be shared by the autograd graphs of several forwards")
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper) and not m.disable_adapters
+                and not m.merged]
+    with ExitStack() as stack:
+        for wrapper in wrappers:
+            stack.enter_context(wrapper._activate_lora(wrapper.active_adapters))
+            wrapper.forward = wrapper.base_layer.__call__  # an instance attribute shadows the class's
+            stack.callback(delattr, wrapper, "forward")
+        yield len(wrappers)

@@ -18,6 +18,7 @@ from torch import nn
 from moerl.config import RolloutConfig
 from moerl.data.prompts import render_prompt
 from moerl.data.tokenizer import BOS
+from moerl.lora.peft_lora import expert_lora_materialised
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.fp8 import quantize_model_fp8
@@ -80,7 +81,7 @@ class HFEngine:
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
-        with capture as recorder:
+        with capture as recorder, expert_lora_materialised(self.model):
             out = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,

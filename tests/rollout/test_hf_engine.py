@@ -87,14 +87,15 @@ def test_refit_rejects_unknown_or_misshapen_tensors(tokenizer):
         engine.load_adapter({name: p[:1]})
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp8"])
-def test_materialised_expert_lora_is_bit_identical_to_peft_per_forward(tokenizer, dtype, monkeypatch):
+@pytest.mark.parametrize("preset,dtype", [("qwen3_moe", "bf16"), ("qwen3_moe", "fp32"), ("qwen3_moe", "fp8"),
+                                          ("deepseek_v3", "bf16")])
+def test_materialised_expert_lora_is_bit_identical_to_peft_per_forward(tokenizer, preset, dtype, monkeypatch):
     """The engine folds each expert LoRA into its weight once per generate; PEFT folds it on every
     forward. Same sequences, same logprobs, same routes, bit for bit; and a refit still shows."""
     import moerl.rollout.hf as hf
     from contextlib import nullcontext
 
-    policy = lora_policy(tokenizer)
+    policy = lora_policy(tokenizer, preset)
     engine = HFEngine(policy, tokenizer, RolloutConfig(dtype=dtype, max_new_tokens=6, capture_routing=True))
 
     def both():

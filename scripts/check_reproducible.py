@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"check_reproducible: the re-run failed:\n{proc.stderr[-3000:]}")
-        fresh_files = list(Path(tmp).glob(f"**/{args.arm}/seed{args.seed}/metrics.jsonl"))
+        fresh_files = list(Path(tmp).glob(f"**/{args.arm}*/seed{args.seed}/metrics.jsonl"))
         if not fresh_files:
             sys.exit(f"check_reproducible: the re-run wrote no metrics.jsonl under {tmp}")
         fresh = read_metrics(fresh_files[0])

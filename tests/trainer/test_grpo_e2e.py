@@ -98,3 +98,37 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
     for k, v in trainer.trainable.items():
         assert torch.equal(v, before[k]), k
     assert read_metrics(run_dir_of(cfg) / "metrics.jsonl")[-1]["updates/skipped_nonfinite"] > 0
+
+
+def test_resume_keeps_the_r3_agreement_alarm_reference(tmp_path, monkeypatch):
+    """The alarm's no-replay reference is measured every paired_replay_every steps; a run resumed between
+    two measurements logs the same alarm rows as the uninterrupted run."""
+    def cfg_in(sub):
+        return load_config("experiments/00_tiny_moe_cpu/arms/r3.yaml",
+                           tiny_overrides_for(tmp_path / sub) + ["trainer.paired_replay_every=3",
+                                                                 "rollout.capture_routing=true"])
+
+    full = cfg_in("a")
+    GRPOTrainer(full, run_dir_of(full), progress=False).train()
+    keys = ("routing/agreement_alarm", "routing/agreement_reference")
+    want = [{k: r.get(k) for k in keys} for r in read_metrics(run_dir_of(full) / "metrics.jsonl") if "reward/mean" in r]
+    assert want[2]["routing/agreement_reference"] is not None  # step 3 checks against step 1's reference
+
+    cut_cfg = cfg_in("b")
+    cut = GRPOTrainer(cut_cfg, run_dir_of(cut_cfg), progress=False)
+
+    class Crash(BaseException):
+        pass
+
+    def crash(point):
+        if point == "after_checkpoint" and cut.step_idx == 2:
+            raise Crash
+
+    monkeypatch.setattr(faults, "hit", crash)
+    with pytest.raises(Crash):
+        cut.train()
+    monkeypatch.undo()
+    cut.tracker.close()
+    GRPOTrainer(cut_cfg, run_dir_of(cut_cfg), resume=True, progress=False).train()
+    got = [{k: r.get(k) for k in keys} for r in read_metrics(run_dir_of(cut_cfg) / "metrics.jsonl") if "reward/mean" in r]
+    assert got == want

@@ -51,7 +51,7 @@ What one timed unit does (one generation round = 256 completions):
 Schedule: ``--warmup`` untimed turns, then ``--rounds`` rounds; in each round every side does
 ``--per-round`` generation rounds in turn, the order reversed every other round (machine noise hits all
 sides alike). Each TRL trainer runs its train() in a worker thread that hands control back at a step
-boundary after its turn; only one side computes at any time. Prints medians, min-max, ``moerl / TRL`` per
+boundary after its turn (moerl's steps run in a worker thread too); only one side computes at any time. Prints medians, min-max, ``moerl / TRL`` per
 structure and whether the target is met; checks that every generation round produced N completions of
 at most max-new-tokens tokens, that TRL ran the old-logprob pass exactly when expected, and that both
 sides' LoRA weights changed. Writes ``<out>/bench_peer.json``.
@@ -66,6 +66,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -191,9 +192,12 @@ def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> dict:
 
 
 class MoerlSide:
-    """moerl's GRPOTrainer; each generation round is one ``step()``, timed as the wall around it."""
+    """moerl's GRPOTrainer; each generation round is one ``step()``, timed as the wall around it.
 
-    def __init__(self, cfg, run_dir: Path):
+    The steps run in a worker thread of their own, as each TRL trainer's loop does: every side computes on
+    its own thread (its own OpenMP pool when --threads > 1), none on the main thread."""
+
+    def __init__(self, cfg, run_dir: Path, threads: int):
         from moerl.trainer.grpo import GRPOTrainer
 
         self.trainer = GRPOTrainer(cfg, run_dir, progress=False)
@@ -209,8 +213,13 @@ class MoerlSide:
         self.trainer.engine.generate = generate
         self.initial = trainable_snapshot(self.trainer.policy)
         self.phases: list[dict] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl")
+        self._pool.submit(torch.set_num_threads, threads).result()
 
     def run(self, gens: int) -> list[float]:
+        return self._pool.submit(self._steps, gens).result()
+
+    def _steps(self, gens: int) -> list[float]:
         times = []
         for _ in range(gens):
             start = time.perf_counter()
@@ -220,6 +229,7 @@ class MoerlSide:
         return times
 
     def close(self) -> None:
+        self._pool.shutdown()
         self.trainer.close()
 
 
@@ -420,7 +430,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         torch.set_num_threads(args.threads)
-        moerl = MoerlSide(cfg, tmp / "moerl")
+        moerl = MoerlSide(cfg, tmp / "moerl", args.threads)
         base, tokenizer, _ = load_warm_start(cfg, progress=False)  # the cached warm start moerl just loaded
         trls = {s: TRLSide(s, cfg, base, tokenizer, moerl.trainer.train_rows, per_side_gens, tmp / f"trl_{s}",
                            args.threads) for s in args.structures}

@@ -478,7 +478,8 @@ def main(argv=None) -> dict:
         for s, side in trls.items():
             gen_checks[f"trl_{s}"] = side.generations
             checks.setdefault("trl_reward_calls", {})[f"trl_{s}"] = side.rewards
-        problems = []
+        problems = [f"{name}: base weights differ from moerl's warm start"
+                    for name, same in checks["same_base_weights"].items() if not same]
         for name, gens in gen_checks.items():
             if len(gens) != per_side_gens:
                 problems.append(f"{name}: {len(gens)} generation rounds, expected {per_side_gens}")

@@ -7,7 +7,9 @@ Two trainers of the same arm and seed step in alternation (ABAB...), so machine 
 alike. "before" runs each step with the optimisations switched off, as the code ran without them:
   - the rollout engine folds each expert LoRA into its weight on every forward (PEFT's own path)
     instead of once per generate (moerl.lora.peft_lora.expert_lora_materialised);
-  - math-verify's parse caches keep their upstream size (20 entries) instead of a run's worth.
+  - math-verify's parse caches keep their upstream size (20 entries) instead of a run's worth;
+  - the engine generates on the process's threads (``rollout.threads=null``) instead of the arm's
+    ``rollout.threads``.
 Both trainers must log the same metrics at every step (every value except wall-clock times): the
 optimisations change no number. Prints per-phase medians, the speed-up and whether the target
 (>= 2x) is met; writes ``<out>/bench_step.json``.
@@ -84,8 +86,9 @@ def main(argv=None) -> dict:
     if args.threads:
         overrides.append(f"threads={args.threads}")
     cfg = load_config(args.arm, overrides)
+    configs = {"before": load_config(args.arm, overrides + ["rollout.threads=null"]), "after": cfg}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {side: GRPOTrainer(cfg, Path(tmp) / side, progress=False) for side in ("before", "after")}
+        trainers = {side: GRPOTrainer(configs[side], Path(tmp) / side, progress=False) for side in ("before", "after")}
         contexts = {"before": before_optimisations, "after": nullcontext}
         times: dict[str, list[dict]] = {"before": [], "after": []}
         differing: list[tuple[int, list[str]]] = []
@@ -119,7 +122,8 @@ def main(argv=None) -> dict:
           f"[{spread['after'][0]:.3f}-{spread['after'][1]:.3f}] over {args.rounds} alternated steps each")
     print(f"speed-up {speedup:.2f}x (target >= {TARGET:g}x: {'met' if speedup >= TARGET else 'NOT met'}); "
           f"metrics identical at every step: {'yes' if not differing else 'NO, ' + str(differing[:3])}")
-    result = {"arm": args.arm, "overrides": args.overrides, "threads": resolved_threads(cfg), "rounds": args.rounds,
+    result = {"arm": args.arm, "overrides": args.overrides, "threads": resolved_threads(cfg),
+              "rollout_threads": cfg.rollout.threads, "rounds": args.rounds,
               "medians": medians, "spread_wall": spread, "speedup": speedup, "target": TARGET,
               "target_met": speedup >= TARGET, "metrics_identical": not differing,
               "differing_steps": differing, "machine": machine_info(),

@@ -7,7 +7,9 @@ are deliberately simple: a reader should be able to redo each verdict from the t
 
 Windows: "early" is the first ``WINDOW`` training steps of a run, "late" its last ``WINDOW``.
 Ratios between arms pair runs by seed (same prompts, same warm start) and report the median over
-seeds with the min-max range.
+seeds with the min-max range. k3 is summarised per run by its *median* over steps: per-step k3 is
+heavy-tailed (in experiment 05 a run's largest step is 6-9500x its median step), so one spike can
+carry a run's mean; the ratio of means is shown beside it.
 """
 from __future__ import annotations
 
@@ -45,18 +47,27 @@ def collapse_steps(metrics: pd.DataFrame) -> dict[tuple[str, int], int | None]:
     return out
 
 
-def window_mean(metrics: pd.DataFrame, key: str, where: str = "all") -> pd.Series:
-    """Per (arm, seed): the mean of ``key`` over the run ('all'), its first or its last WINDOW steps."""
+def window_mean(metrics: pd.DataFrame, key: str, where: str = "all", stat: str = "mean") -> pd.Series:
+    """Per (arm, seed): the mean (or ``stat``: median) of ``key`` over the run ('all'), its first or
+    its last WINDOW steps."""
     train = _train(metrics)
     if key not in train:
         return pd.Series(dtype=float)
     rows = train[["arm", "seed", "step", key]].dropna().sort_values("step")
     groups = rows.groupby(["arm", "seed"])[key]
     if where == "early":
-        return groups.apply(lambda s: s.head(WINDOW).mean())
+        return groups.apply(lambda s: getattr(s.head(WINDOW), stat)())
     if where == "late":
-        return groups.apply(lambda s: s.tail(WINDOW).mean())
-    return groups.mean()
+        return groups.apply(lambda s: getattr(s.tail(WINDOW), stat)())
+    return getattr(groups, stat)()
+
+
+def k3_ratio(metrics: pd.DataFrame, arm: str, reference: str) -> tuple[list[float], str]:
+    """Per-seed ratio of the runs' median k3 (the statistic the verdicts use) and its text, with the
+    ratio of the runs' mean k3 beside it."""
+    medians = paired_ratio(window_mean(metrics, "mismatch/k3", stat="median"), arm, reference)
+    means = paired_ratio(window_mean(metrics, "mismatch/k3"), arm, reference)
+    return medians, f"{_fmt_ratio(medians)} [ratio of means {_fmt_ratio(means)}]" if medians else "n/a"
 
 
 def paired_ratio(per_run: pd.Series, arm: str, reference: str) -> list[float]:
@@ -131,10 +142,9 @@ def claim_collapse(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 
 def claim_family(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
-    k3 = window_mean(metrics, "mismatch/k3")
-    ratios = paired_ratio(k3, "deepseek_baseline", "baseline")
+    ratios, text = k3_ratio(metrics, "deepseek_baseline", "baseline")
     differs = window_mean(metrics, "routing/any_layer_differs")
-    repo = (f"k3 DeepSeek-V3 / Qwen3-MoE preset (bf16 rollout, same seed): {_fmt_ratio(ratios)}; tokens re-routed "
+    repo = (f"k3 DeepSeek-V3 / Qwen3-MoE preset (bf16 rollout, same seed): {text}; tokens re-routed "
             f"in ≥ 1 MoE layer: Qwen3-MoE {_fmt_values(_arm_values(differs, 'baseline'))}, DeepSeek-V3 "
             f"{_fmt_values(_arm_values(differs, 'deepseek_baseline'))}")
     verdict = "not tested" if not ratios else "yes" if min(ratios) > 1 else "partly" if np.median(ratios) > 1 else "no"
@@ -144,11 +154,10 @@ def claim_family(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 
 def claim_clipping(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
-    k3 = window_mean(metrics, "mismatch/k3")
-    ratios = paired_ratio(k3, "ppo_tight_clip", "baseline")
+    ratios, text = k3_ratio(metrics, "ppo_tight_clip", "baseline")
     clip_tight = _arm_values(window_mean(metrics, "clip/frac"), "ppo_tight_clip")
     clip_base = _arm_values(window_mean(metrics, "clip/frac"), "baseline")
-    repo = (f"k3 with clip 0.1 / clip 0.2: {_fmt_ratio(ratios)}; clipped tokens {_fmt_values(clip_tight, '{:.4f}')} "
+    repo = (f"k3 with clip 0.1 / clip 0.2: {text}; clipped tokens {_fmt_values(clip_tight, '{:.4f}')} "
             f"vs {_fmt_values(clip_base, '{:.4f}')}")
     verdict = "not tested" if not ratios else "yes" if np.median(ratios) > 0.5 else "no"
     return Claim("PPO clipping does not see the mismatch", "Mind Lab R3 blog",
@@ -157,10 +166,11 @@ def claim_clipping(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 
 def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
-    early, late = window_mean(metrics, "mismatch/k3", "early"), window_mean(metrics, "mismatch/k3", "late")
+    early = window_mean(metrics, "mismatch/k3", "early", stat="median")
+    late = window_mean(metrics, "mismatch/k3", "late", stat="median")
     growth = {arm: [float(late[arm][s] / early[arm][s]) for s in late[arm].index if s in early[arm].index]
               for arm in ("baseline", "tis") if not late.empty and arm in late.index.get_level_values(0)}
-    repo = ("k3 late / early (last vs first 50 steps): "
+    repo = ("median k3, last vs first 50 steps: "
             + ", ".join(f"{arm} {_fmt_ratio(v)}" for arm, v in growth.items()) if growth else "n/a")
     if "baseline" not in growth or "tis" not in growth:
         verdict = "not tested"
@@ -195,9 +205,9 @@ def claim_masking(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 
 def claim_r2(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
-    k3 = window_mean(metrics, "mismatch/k3")
-    r2, r3 = paired_ratio(k3, "r2", "baseline"), paired_ratio(k3, "r3", "baseline")
-    repo = f"k3 R2 / baseline {_fmt_ratio(r2)} (R3 / baseline {_fmt_ratio(r3)})"
+    r2, r2_text = k3_ratio(metrics, "r2", "baseline")
+    _, r3_text = k3_ratio(metrics, "r3", "baseline")
+    repo = f"k3 R2 / baseline {r2_text} (R3 / baseline {r3_text})"
     verdict = "not tested" if not r2 else "yes" if np.median(r2) > 0.8 else "no"
     return Claim("R2 does not improve the mismatch", "Mind Lab R3 blog", "no improvement over no replay", repo, verdict,
                  "yes: R2's k3 stays above 0.8× the baseline's")
@@ -205,13 +215,12 @@ def claim_r2(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 def claim_position_bug(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     c = collapse_steps(metrics)
-    k3 = window_mean(metrics, "mismatch/k3")
-    worse = paired_ratio(k3, "deepseek_r3_position_bug", "deepseek_baseline")
+    worse, worse_text = k3_ratio(metrics, "deepseek_r3_position_bug", "deepseek_baseline")
     replayed = _arm_values(window_mean(metrics, "routing/replayed_agreement"), "deepseek_r3_position_bug")
     native = _arm_values(window_mean(metrics, "routing/agreement"), "deepseek_r3_position_bug")
     fixed = _arm_values(window_mean(metrics, "routing/agreement"), "deepseek_r3")
     k, n = _count(c, "deepseek_r3_position_bug")
-    repo = (f"k3 vs no replay {_fmt_ratio(worse)}; replayed agreement {_fmt_values(replayed, '{:.3f}')} (the checks "
+    repo = (f"k3 vs no replay {worse_text}; replayed agreement {_fmt_values(replayed, '{:.3f}')} (the checks "
             f"pass) but trainer-native vs trace agreement {_fmt_values(native, '{:.3f}')} (fixed R3: "
             f"{_fmt_values(fixed, '{:.3f}')}); collapsed {k}/{n}")
     verdict = "not tested" if not worse else "yes" if min(worse) > 1 else "partly" if k else "no"
@@ -221,18 +230,17 @@ def claim_position_bug(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
 
 
 def claim_r3(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
-    k3 = window_mean(metrics, "mismatch/k3")
     eff = window_mean(metrics, "effective/token_frac")
     differs = window_mean(metrics, "routing/any_layer_differs")
     gt2 = window_mean(metrics, "mismatch/extreme_gt2")
     parts, ok = [], []
     for r3, base in (("r3", "baseline"), ("deepseek_r3", "deepseek_baseline")):
-        ratio = paired_ratio(k3, r3, base)
+        ratio, ratio_text = k3_ratio(metrics, r3, base)
         if not ratio:
             continue
         drop = paired_ratio(gt2, base, r3)
         e_r3, e_base = _arm_values(eff, r3), _arm_values(eff, base)
-        parts.append(f"{r3}: k3 {_fmt_ratio(ratio)} of {base}, tokens with ratio > 2 down {_fmt_ratio(drop)}, "
+        parts.append(f"{r3}: k3 {ratio_text} of {base}, tokens with ratio > 2 down {_fmt_ratio(drop)}, "
                      f"tokens with gradient {_fmt_values(e_r3)} vs {_fmt_values(e_base)}, re-routed in ≥ 1 layer "
                      f"without replay {_fmt_values(_arm_values(differs, base))}")
         ok.append(np.median(ratio) < 0.5 and abs(np.mean(e_r3) - np.mean(e_base)) < 0.01)

@@ -72,3 +72,11 @@ def test_unfinished_runs_are_left_out():
     table = claims.collapse_markdown(kept)
     # Reward drops to 0 at step 60: its 20-step mean falls below half its peak 9 steps later.
     assert "| baseline | 69 | not run | not run |" in table
+
+
+def test_k3_is_compared_by_run_medians_so_one_spike_does_not_decide():
+    metrics, runs = frames({"baseline": dict(k3=1e-4), "r2": dict(k3=1e-4)})
+    metrics.loc[(metrics["arm"] == "baseline") & (metrics["step"] == 7), "mismatch/k3"] = 1.0  # one spike
+    ratios, text = claims.k3_ratio(metrics, "r2", "baseline")
+    assert ratios == [1.0, 1.0, 1.0] and "ratio of means" in text
+    assert claims.claim_r2(metrics, runs).verdict == "yes"  # by the means R2 would look 80x better

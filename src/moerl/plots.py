@@ -486,7 +486,7 @@ def _paired_ratio(runs: pd.DataFrame, key: str, reference: str) -> pd.DataFrame:
 
 
 def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | None = None,
-                   reference: str = "baseline") -> plt.Figure:
+                   reference: str = "baseline", k3_key: str = "mean/mismatch/k3") -> plt.Figure:
     """The headline: how much does each arm change the mismatch? Left, k3 relative to the reference
     arm on the same seed (bar = mean, whisker = min-max over seeds); right, the share of tokens whose
     trainer-native top-k equals the rollout's beside the share of replayed rows that took the
@@ -506,7 +506,7 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
     y = np.arange(len(order))[::-1]
     pos = dict(zip(order, y))
     fig, (ax_k3, ax_route) = plt.subplots(1, 2, figsize=(9.5, 0.32 * len(order) + 2.0), sharey=True)
-    ratio = _paired_ratio(runs, "mean/mismatch/k3", reference).reindex(order)
+    ratio = _paired_ratio(runs, k3_key, reference).reindex(order)
     # An arm with (near-)zero mismatch (the fp32 rollout) would stretch the log axis by many decades:
     # the axis covers the others and such an arm gets a note at the left edge instead of a bar.
     shown = ratio["mean"][(ratio["mean"] > 1e-3)]
@@ -524,13 +524,14 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
             ax_k3.plot([r["lo"], r["hi"]], [pos[arm]] * 2, color="k", lw=1)
         ax_k3.text(max(r["mean"], r["hi"] if r["n"] > 1 else 0) * 1.08, pos[arm], f"{r['mean']:.2g}×",
                    va="center", fontsize=7)
+    ax_k3.set_xscale("log")  # first: setting the scale resets the axis' locators and formatters
     ax_k3.set_xlim(left, right)
     ax_k3.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(0.1, 0.2, 0.5, 1.0)))
     ax_k3.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g×"))
     ax_k3.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_k3.axvline(1.0, color="k", lw=0.8, ls="--")
-    ax_k3.set_xscale("log")
-    ax_k3.set_xlabel(f"k3 KL relative to {reference} (same seed)", fontsize=9)
+    statistic = "run-median " if k3_key.startswith("median/") else ""
+    ax_k3.set_xlabel(f"{statistic}k3 KL relative to {reference} (same seed)", fontsize=9)
     ax_k3.set_yticks(y, order, fontsize=8)
     from matplotlib.patches import Patch
 
@@ -618,8 +619,14 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
     if runs is not None and not runs.empty:
         runs = runs[runs["experiment"] == experiment]
         reference = questions[0].reference
+        k3_key = "mean/mismatch/k3"
+        if "mismatch/k3" in train:  # per-step k3 is heavy-tailed: compare runs by their median step
+            k3_key = "median/mismatch/k3"
+            medians = train.groupby(["arm", "seed"])["mismatch/k3"].median().rename(k3_key).reset_index()
+            runs = runs.drop(columns=[k3_key], errors="ignore").merge(medians, on=["arm", "seed"], how="left")
         paths.append(save(summary_figure(runs, f"{experiment}: what each arm does to the mismatch "
-                                               f"(mean over seeds, whisker = min-max)", questions, reference),
+                                               f"(mean over seeds, whisker = min-max)", questions, reference,
+                                         k3_key=k3_key),
                           out_dir / f"{experiment}_summary.png"))
         if "final_eval/eval/pass1" in runs:
             paths.append(save(gain_figure(runs, f"{experiment}: held-out accuracy, final minus initial", questions),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -306,6 +307,11 @@ FUNCTION_REGIONS = {
     "replay_collapse": ("moerl.models.routers", None, "collapse_repeated"),
     "routing_metrics": ("moerl.trainer.grpo", None, "routing_metrics"),
 }
+# Matrix-multiply kernels (BLAS GEMM/GEMV, torch's own bf16 dot products and GEMM loops, flash attention).
+# Valgrind's virtual CPU has no AVX-512/AMX, so the bf16 engine's matmuls run torch's AVX2 fallback
+# there and take most of a counted step, far more than they do natively: the counts are also reported
+# against the step without these kernels, an upper bound on the overhead's share on any CPU.
+MATMUL_KERNELS = re.compile(r"gemm|gemv|bf16_dot|mkl_blas|flash_attention|brgemm|dnnl|baddbmm", re.I)
 OPERATIONAL = ["threads=1", "tracking.wandb_mode=disabled", "tracking.progress_bar=false", "trainer.eval_every=0",
                "trainer.checkpoint_every=0", "trainer.samples_every=0"]
 
@@ -328,12 +334,25 @@ def _mark_regions(regions, trainer) -> None:
 
     @contextmanager
     def region(label):
+        # A nested region is labelled with its path ("routing_metrics/trace_build"): work done inside a
+        # diagnostic stays attributed to that diagnostic.
         regions.mark(stack[-1])  # what ran before, in the enclosing region
-        stack.append(label)
+        stack.append(label if len(stack) == 1 else f"{stack[-1]}/{label}")
         try:
             yield
         finally:
             regions.mark(stack.pop())
+
+    def calibrate(calls: int = 50) -> None:
+        """Wrapped calls of an empty function: all they count is the markers' cost, filed under ``marker``."""
+        regions.mark(stack[-1])
+        stack.append("marker")
+        noop = wrap(lambda: None, "call")
+        for _ in range(calls):
+            noop()
+        stack.pop()
+
+    region.calibrate = calibrate
 
     def wrap(fn, label):
         @functools.wraps(fn)
@@ -389,15 +408,16 @@ def instructions_child(arm_config: str, arm: str, warmup_steps: int, overrides: 
 
         trainer.engine.generate = generate_and_hash
         region = _mark_regions(regions, trainer)
-        gc.collect()  # the same collector state in every arm
+        # As timeit does: no collection inside the counted step, where it would fall at a different
+        # moment in each arm (they allocate differently) and cost millions of instructions at once.
+        gc.collect()
+        gc.disable()
         regions.start()
         metrics = trainer.step()
-        regions.mark("step_other")
-        # Cost of the markers themselves (each wrapped call adds two marks), for the record.
-        for _ in range(50):
-            with region("marker_pair"):
-                pass
-        regions.stop("marker_cost_tail")
+        gc.enable()
+        # Cost of the markers themselves: the parent takes it out of the step.
+        region.calibrate()
+        regions.stop("marker")
     keys = ("reward/mean", "response/length_mean", "mismatch/k3", "routing/agreement", "replay/violations",
             "replay/checked_rows", "routing/replayed_agreement")
     out_json.write_text(json.dumps({
@@ -406,19 +426,25 @@ def instructions_child(arm_config: str, arm: str, warmup_steps: int, overrides: 
         "metrics": {k: float(metrics[k]) for k in keys if k in metrics}, "marks": len(regions.labels)}))
 
 
-def _region_totals(out_prefix: Path) -> tuple[dict[str, int], dict[str, int]]:
-    """(instructions per label, marks per label) of one child's callgrind dumps; the step only."""
-    from moerl.instructions import read_regions
+def _region_totals(out_prefix: Path) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(instructions per label, marks per label, matmul-kernel instructions per label) of one child's
+    callgrind dumps."""
+    from moerl.instructions import function_costs, read_dump, region_dumps
 
-    totals, counts = {}, {}
-    for label, ir in read_regions(out_prefix):
+    totals, counts, matmul = {}, {}, {}
+    for path in region_dumps(out_prefix):
+        label, ir = read_dump(path)
         totals[label] = totals.get(label, 0) + ir
         counts[label] = counts.get(label, 0) + 1
-    return totals, counts
+        mm = sum(v for fn, v in function_costs(path).items() if MATMUL_KERNELS.search(fn))
+        matmul[label] = matmul.get(label, 0) + mm
+    return totals, counts, matmul
 
 
-def instructions(arm_config: str, warmup_steps: int, repeats: int, overrides: list[str], work: Path) -> dict:
-    """Count one step of each arm under callgrind (one process each) and split the differences."""
+def instructions(arm_config: str, warmup_steps: int, repeats: int, overrides: list[str], work: Path,
+                 reuse: bool = False) -> dict:
+    """Count one step of each arm under callgrind (one process each) and split the differences.
+    ``reuse``: summarise the dumps a previous run left in ``work`` instead of counting again."""
     import os
     import subprocess
 
@@ -440,78 +466,124 @@ def instructions(arm_config: str, warmup_steps: int, repeats: int, overrides: li
     for arm, rep in runs:
         name = f"{arm}_{rep}"
         prefix = work / f"cg_{name}"
-        for old in work.glob(prefix.name + ".*"):
-            old.unlink()
         info = work / f"{name}.json"
-        cmd = callgrind_command(prefix) + [sys.executable, str(Path(__file__).resolve()), "--instructions-arm", arm,
-                                           "--arm-config", arm_config, "--warmup-steps", str(warmup_steps),
-                                           "--instructions-info", str(info), *(["--"] + overrides if overrides else [])]
         start = time.perf_counter()
-        with open(work / f"{name}.log", "w") as log:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode:
-            raise SystemExit(f"arm {arm} failed under callgrind (exit {done.returncode}); see {work / (name + '.log')}")
-        totals, counts = _region_totals(prefix)
+        if not reuse:
+            for old in work.glob(prefix.name + ".*"):
+                old.unlink()
+            cmd = callgrind_command(prefix) + [
+                sys.executable, str(Path(__file__).resolve()), "--instructions-arm", arm, "--arm-config", arm_config,
+                "--warmup-steps", str(warmup_steps), "--instructions-info", str(info),
+                *(["--"] + overrides if overrides else [])]
+            with open(work / f"{name}.log", "w") as log:
+                done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if done.returncode:
+                raise SystemExit(f"arm {arm} failed under callgrind (exit {done.returncode}); "
+                                 f"see {work / (name + '.log')}")
+        elif not info.exists():
+            if rep:
+                break  # fewer repeats were counted than asked for
+            raise SystemExit(f"--instructions-reuse: no counts for arm {arm} in {work}")
+        totals, counts, matmul = _region_totals(prefix)
         meta = json.loads(info.read_text())
-        step = {k: v for k, v in totals.items() if not k.startswith("marker_")}
-        marker = totals["marker_pair"] / counts["marker_pair"]  # one empty region: two marks
-        results[name] = {**meta, "regions": step, "calls": counts, "total": sum(step.values()),
-                         "instructions_per_mark": marker / 2, "wall_s": time.perf_counter() - start}
-        print(f"  {name:10s} {sum(step.values()) / 1e9:9.4f} G instructions in the step "
-              f"({time.perf_counter() - start:.0f} s under callgrind; rollout {meta.get('rollout_sha')})", flush=True)
+        step = {k: v for k, v in totals.items() if k.split("/")[0] != "marker"}
+        marker = sum(v for k, v in totals.items() if k not in step) / sum(v for k, v in counts.items() if k not in step)
+        # The markers' own instructions (a ctypes call and a client request each), spread over the
+        # regions; the arms differ in how many marks they make, so their cost is taken out of the totals.
+        markers = sum(counts[k] for k in step) * marker
+        results[name] = {**meta, "regions": step, "calls": counts, "marker_instructions": round(markers),
+                         "total": sum(step.values()) - round(markers),
+                         "matmul_regions": {k: v for k, v in matmul.items() if k in step},
+                         "matmul_total": sum(v for k, v in matmul.items() if k in step),
+                         "instructions_per_mark": marker}
+        if not reuse:
+            results[name]["wall_s"] = time.perf_counter() - start
+        print(f"  {name:10s} {results[name]['total'] / 1e9:9.4f} G instructions in the step "
+              f"({'reused' if reuse else f'{time.perf_counter() - start:.0f} s under callgrind'}; "
+              f"rollout {meta.get('rollout_sha')})", flush=True)
     return summarise_instructions(results, arm_config, warmup_steps)
 
 
 def summarise_instructions(results: dict, arm_config: str, warmup_steps: int) -> dict:
     """Overheads in % of the none arm's step, with the method's resolution."""
-    def diag(r):
-        return sum(r["regions"].get(k, 0) for k in DIAGNOSTIC_REGIONS)
+    def diag(r, key="regions"):
+        return sum(v for k, v in r[key].items() if k.split("/")[0] in DIAGNOSTIC_REGIONS)
+
+    def without_diag(r, key="regions"):
+        markers = r["marker_instructions"] if key == "regions" else 0
+        return sum(r[key].values()) - diag(r, key) - markers
 
     none, cap, r3 = results["none_0"], results["capture_0"], results["r3_0"]
     base = none["total"]
+    base_nomm = base - none["matmul_total"]  # the step without matrix-multiply kernels
     same_rollout = len({r.get("rollout_sha") for r in (none, cap, r3)}) == 1
-    capture = (cap["total"] - diag(cap)) - (none["total"] - diag(none))
-    replay = (r3["total"] - diag(r3)) - (cap["total"] - diag(cap))
+    capture = without_diag(cap) - without_diag(none)
+    replay = without_diag(r3) - without_diag(cap)
     diagnostics = diag(r3) - diag(none)
+    # Matmul-kernel instructions in the differences: replay changes how many tokens each expert gets.
+    capture_mm = without_diag(cap, "matmul_regions") - without_diag(none, "matmul_regions")
+    replay_mm = without_diag(r3, "matmul_regions") - without_diag(cap, "matmul_regions")
     # Resolution: how far two counts of the same work differ: repeated none-arm processes, and regions
     # doing the same work in several arms (the refit moves the same tensors in all three; the rollout,
-    # capture included, is the same in the capture and r3 arms).
-    repeats = [abs(r["total"] - base) / base for k, r in results.items() if k.startswith("none_") and k != "none_0"]
-    same_work = {"refit": [none, cap, r3], "rollout": [cap, r3]}
-    spread = {name: (max(r["regions"].get(name, 0) for r in rs) - min(r["regions"].get(name, 0) for r in rs)) / base
-              for name, rs in same_work.items()}
+    # capture included, is the same in the capture and r3 arms; rewards and bookkeeping, outside the
+    # timed phases, are the same in all three). Counts of the same Python code differ between arms by
+    # up to ~0.1 %, as the interpreter's method cache hits differently after different code ran.
+    repeats = [abs(r["total"] - base) for k, r in results.items() if k.startswith("none_") and k != "none_0"]
+    def phase(r, name):
+        return sum(v for k, v in r["regions"].items() if k.split("/")[0] == name)
+
+    same_work = {"refit": [none, cap, r3], "rollout": [cap, r3], "step_other": [none, cap, r3]}
+    spread = {name: max(phase(r, name) for r in rs) - min(phase(r, name) for r in rs) for name, rs in same_work.items()}
     resolution = max(repeats + list(spread.values()))
-    labels = sorted(set().union(*(r["regions"] for r in (none, cap, r3))),
-                    key=lambda k: -r3["regions"].get(k, 0))
-    per_region = {k: {"none": none["regions"].get(k, 0), "capture": cap["regions"].get(k, 0),
-                      "r3": r3["regions"].get(k, 0)} for k in labels}
+    labels = sorted(set().union(*(r["regions"] for r in (none, cap, r3))), key=lambda k: -r3["regions"].get(k, 0))
+    per_region = {k: {a: r["regions"].get(k, 0) for a, r in (("none", none), ("capture", cap), ("r3", r3))}
+                  for k in labels}
     pct = lambda x: 100 * x / base  # noqa: E731
+    pct_nomm = lambda x: 100 * x / base_nomm  # noqa: E731
+    both = capture + replay
+    both_nomm = both - capture_mm - replay_mm
     out = {"method": "callgrind instruction counts (Ir) of one GRPO step per arm, after identical warm-up",
            "arm_config": arm_config, "warmup_steps": warmup_steps, "same_rollout_tokens": same_rollout,
-           "step_instructions_none": base,
+           "step_instructions_none": base, "step_matmul_instructions_none": none["matmul_total"],
            "capture_instructions": capture, "replay_instructions": replay, "diagnostics_instructions": diagnostics,
-           "capture_pct": pct(capture), "replay_pct": pct(replay), "total_pct": pct(capture + replay),
-           "diagnostics_pct": pct(diagnostics), "resolution_pct": 100 * resolution,
-           "resolution_detail_pct": {"repeated_none_runs": [100 * x for x in repeats],
-                                     **{f"same_work_{k}": 100 * v for k, v in spread.items()}},
-           "target_pct": 2.0, "target_met": pct(capture + replay) + 100 * resolution <= 2.0,
+           "capture_matmul_instructions": capture_mm, "replay_matmul_instructions": replay_mm,
+           "capture_pct": pct(capture), "replay_pct": pct(replay), "total_pct": pct(both),
+           "diagnostics_pct": pct(diagnostics), "resolution_pct": pct(resolution),
+           "resolution_detail_instructions": {"repeated_none_runs": repeats,
+                                              **{f"same_work_{k}": v for k, v in spread.items()}},
+           # Against the step without matmul kernels (numerators without their matmul differences too):
+           # as if every matmul were free, an upper bound on the share on any CPU.
+           "vs_step_without_matmul": {"capture_pct": pct_nomm(capture - capture_mm),
+                                      "replay_pct": pct_nomm(replay - replay_mm), "total_pct": pct_nomm(both_nomm),
+                                      "resolution_pct": pct_nomm(resolution)},
+           "target_pct": 2.0, "target_met": pct(both) + pct(resolution) <= 2.0,
+           "target_met_vs_step_without_matmul": pct_nomm(both_nomm) + pct_nomm(resolution) <= 2.0,
            "per_region": per_region, "runs": results}
     print(f"\ninstruction counts, one step of {arm_config} after {warmup_steps} identical warm-up step(s)"
           f"{'' if same_rollout else ' (WARNING: the arms sampled different tokens)'}:")
     print(f"  {'region':24s} {'none':>14s} {'capture':>14s} {'r3':>14s}   (instructions)")
     for k, v in per_region.items():
         print(f"  {k:24s} {v['none']:14,d} {v['capture']:14,d} {v['r3']:14,d}")
-    print(f"  step (none arm) {base:,d} instructions")
-    print(f"  capture  {pct(capture):+.3f} % of a step   (capture arm - none arm, diagnostics excluded)")
-    print(f"  replay   {pct(replay):+.3f} % of a step   (r3 arm - capture arm, diagnostics excluded)")
-    print(f"  both     {pct(capture + replay):+.3f} % of a step; routing diagnostics {pct(diagnostics):+.3f} % "
-          f"on top (agreement/divergence metrics{', paired replay pass' if r3['paired_replay_every'] else ''})")
-    print(f"  resolution +-{100 * resolution:.4f} % of a step (largest difference between counts of the same work: "
-          + ", ".join(f"{k} {v:.4f} %" for k, v in out["resolution_detail_pct"].items() if not isinstance(v, list))
-          + (f", repeated none runs {', '.join(f'{x:.4f} %' for x in out['resolution_detail_pct']['repeated_none_runs'])}"
-             if repeats else ", no repeated run") + ")")
-    print(f"  target capture + replay <= 2 % of a step: {'MET' if out['target_met'] else 'NOT MET'} "
-          f"({pct(capture + replay):.3f} % + resolution {100 * resolution:.3f} %)")
+    print(f"  step (none arm) {base:,d} instructions, {100 * none['matmul_total'] / base:.1f} % of them in matmul "
+          f"kernels (valgrind's CPU has no AVX-512/AMX: the bf16 engine's matmuls run an AVX2 fallback)")
+    nomm = out["vs_step_without_matmul"]
+    print(f"  {'':9s} {'% of the counted step':>22s} {'% of it without matmuls':>24s}")
+    for name, a, b in (("capture", pct(capture), nomm["capture_pct"]), ("replay", pct(replay), nomm["replay_pct"]),
+                       ("both", pct(both), nomm["total_pct"]),
+                       ("+-resol.", pct(resolution), nomm["resolution_pct"])):
+        print(f"  {name:9s} {a:+21.3f}% {b:+23.3f}%")
+    print("  capture = capture arm - none arm, replay = r3 arm - capture arm, routing diagnostics excluded: "
+          f"they add {pct(diagnostics):+.3f} % (agreement/divergence metrics"
+          f"{', the paired replay pass' if r3['paired_replay_every'] else ''}, logging them)")
+    print("  resolution: the largest difference between two counts of the same work ("
+          + ", ".join(f"{k} {v:,d}" for k, v in out["resolution_detail_instructions"].items()
+                      if not isinstance(v, list))
+          + (f", repeated none runs {', '.join(f'{x:,d}' for x in repeats)}" if repeats else ", no repeated run")
+          + " instructions)")
+    print(f"  target capture + replay <= 2 % of a step: counted step {'MET' if out['target_met'] else 'NOT MET'} "
+          f"({pct(both):.3f} % +- {pct(resolution):.3f} %); against the step without matmuls "
+          f"{'MET' if out['target_met_vs_step_without_matmul'] else 'NOT MET'} "
+          f"({nomm['total_pct']:.3f} % +- {nomm['resolution_pct']:.3f} %)")
     return out
 
 
@@ -532,6 +604,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup-steps", type=int, default=1, help="--instructions: steps before the counted one")
     ap.add_argument("--instructions-repeats", type=int, default=1,
                     help="--instructions: extra runs of the none arm, for the method's resolution")
+    ap.add_argument("--instructions-reuse", action="store_true",
+                    help="--instructions: summarise the dumps of a previous --instructions run in OUT/callgrind")
     ap.add_argument("--instructions-arm", choices=sorted(INSTRUCTION_ARMS), help=argparse.SUPPRESS)
     ap.add_argument("--instructions-info", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="--instructions: config overrides key=value (after --)")
@@ -547,7 +621,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)
         print("instruction counts under callgrind, one process per arm (~25 min each on a 2-core CPU):")
         counted = instructions(args.arm_config, args.warmup_steps, args.instructions_repeats, args.overrides,
-                               out / "callgrind")
+                               out / "callgrind", reuse=args.instructions_reuse)
         (out / "overhead.json").write_text(json.dumps({**previous, "instructions": counted}, indent=1))
         print(f"\nsaved {out / 'overhead.json'} (key 'instructions'; dumps and logs in {out / 'callgrind'})")
         return

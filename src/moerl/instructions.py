@@ -95,7 +95,7 @@ class Regions:
 
 def callgrind_command(out_prefix: str | Path) -> list[str]:
     """valgrind command line (append the program) writing one count file per region to ``out_prefix.*``."""
-    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no", "--compress-strings=yes",
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no", "--compress-strings=no",
             f"--callgrind-out-file={out_prefix}.%p"]
 
 
@@ -117,10 +117,10 @@ def read_dump(path: str | Path) -> tuple[str, int]:
     return label or "", total
 
 
-def read_regions(out_prefix: str | Path) -> list[tuple[str, int]]:
-    """The regions one callgrind run dumped, in order: [(label, instructions), ...].
+def region_dumps(out_prefix: str | Path) -> list[Path]:
+    """The dump files of one callgrind run, in the order the regions closed (``out_prefix.<pid>.<n>``).
 
-    The final dump written at exit (no client request, instrumentation already off) is dropped."""
+    The final dump written at exit (no client request, instrumentation already off) is not one."""
     prefix = Path(out_prefix)
     dumps = []
     for path in prefix.parent.glob(prefix.name + ".*.*"):
@@ -129,4 +129,41 @@ def read_regions(out_prefix: str | Path) -> list[tuple[str, int]]:
             dumps.append((int(part), path))
     if not dumps:
         raise InstructionCountError(f"no callgrind dumps named {prefix}.<pid>.<n>: did the process mark regions?")
-    return [read_dump(path) for _, path in sorted(dumps)]
+    return [path for _, path in sorted(dumps)]
+
+
+def read_regions(out_prefix: str | Path) -> list[tuple[str, int]]:
+    """The regions one callgrind run dumped, in order: [(label, instructions), ...]."""
+    return [read_dump(path) for path in region_dumps(out_prefix)]
+
+
+def function_costs(path: str | Path) -> dict[str, int]:
+    """Self instructions per function (C/C++ symbol) in one callgrind dump: which kernels a region ran.
+
+    Python functions are not visible (they all run inside the interpreter's eval loop)."""
+    costs: dict[str, int] = {}
+    names: dict[str, str] = {}  # "(id)" -> name, should a dump use compressed names
+    current, skip_next = "???", False
+    with open(path) as f:
+        for line in f:
+            first = line[:1]
+            if first.isdigit() or first in "+-*":
+                if skip_next:  # the inclusive cost of a call: the callee's, not this function's
+                    skip_next = False
+                    continue
+                parts = line.split()
+                if len(parts) >= 2:
+                    costs[current] = costs.get(current, 0) + int(parts[-1])
+            elif line.startswith("calls="):
+                skip_next = True
+            elif line.startswith(("fn=", "cfn=")):
+                value = line.split("=", 1)[1].strip()
+                if value.startswith("("):
+                    ident, _, name = value.partition(")")
+                    name = name.strip()
+                    if name:
+                        names[ident] = name
+                    value = names.get(ident, value)
+                if line.startswith("fn="):
+                    current = value
+    return costs

@@ -1,21 +1,30 @@
 """Refit benchmark: adapter-only vs merged, into a rollout engine in its own process.
 
-Measures in one run, side by side: memory-copy bandwidth, bytes and seconds per refit on the default
-preset and on a ~100M-parameter preset, drift of the engine's effective weights over 100 refits
-(adapter-only vs merged with a bf16 base), and an analytic bytes/time model for Kimi-K2,
-DeepSeek-V3 and Qwen3-30B-A3B. Saves results/refit/bench_refit.json and .png.
+Measures in one run, side by side: memory-copy bandwidth at 1 and 2 threads, bytes and seconds per
+refit on the default preset and on a ~100M-parameter preset, a per-pass breakdown of one refit
+(in-process), drift of the engine's effective weights over 100 refits (adapter-only vs merged with a
+bf16 base), and an analytic bytes/time model for Kimi-K2, DeepSeek-V3 and Qwen3-30B-A3B. Saves
+results/refit/bench_refit.json and .png.
 
-    .venv/bin/python scripts/bench_refit.py [--quick]
+The copy model of a refit is bytes / (1-thread memcpy bandwidth) + (buckets + 1) message round trips
++ tensors x per-tensor overhead. The machine may be shared, so every round measures the memcpy
+bandwidth and both refit modes back to back (the order alternating between rounds) and the ratio
+measured/model is taken per round; the median and the spread over rounds are reported.
+
+    .venv/bin/python scripts/bench_refit.py [--quick] [--rounds N]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import torch
+import xxhash
 
 from moerl.config import ExperimentConfig
 from moerl.data.tokenizer import build_tokenizer
@@ -24,8 +33,11 @@ from moerl.lora.peft_lora import apply_lora
 from moerl.models.presets import build_model
 from moerl.refit.adapter_format import AdapterMap
 from moerl.refit.engine_process import EngineProcess
-from moerl.refit.refitter import make_refitter
-from moerl.refit.weights import base_state_dict
+from moerl.refit.pack import pack_bucket
+from moerl.refit.plan import build_plan, dtype_of
+from moerl.refit.receiver import Receiver
+from moerl.refit.refitter import LocalTransport, Refitter, make_refitter
+from moerl.refit.weights import base_state_dict, effective_state_dict
 
 OUT = Path("results/refit")
 
@@ -34,24 +46,47 @@ PRESETS = {
     "100M": dict(hidden_size=512, num_layers=8, num_experts=32, top_k=4, moe_intermediate_size=256,
                  num_heads=8, num_kv_heads=4, head_dim=64),
 }
+# measured / copy-model targets, checked on the largest preset run
+TARGETS = {"adapter": 2.0, "merged": 3.0}
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best-of-n ``dst.copy_(src)`` bandwidth in bytes/s (read + write counted once, as bytes moved)."""
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+def copy_bandwidth(threads: int, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
+    """Best-of-n ``dst.copy_(src)`` bandwidth in bytes/s on ``threads`` threads (bytes moved: each
+    byte read once and written once). 256 MiB each way, so the copy goes to memory, not cache."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # touch the pages
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(saved)
+
+
+def checksum_speeds(nbytes: int = 64 * 2**20) -> dict[str, float]:
+    """Bytes/s of candidate bucket checksums on one thread (xxh3-64 is the one refit uses)."""
+    buf = memoryview(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy())
+    fns = {"xxh3_64 (xxhash)": xxhash.xxh3_64_intdigest, "xxh64 (xxhash)": xxhash.xxh64_intdigest,
+           "crc32 (zlib)": zlib.crc32, "blake2b-64 (hashlib)": lambda b: hashlib.blake2b(b, digest_size=8).digest()}
+    out = {}
+    for name, fn in fns.items():
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            fn(buf)
+            best = min(best, time.perf_counter() - t)
+        out[name] = nbytes / best
+    return out
 
 
 def per_tensor_overhead(n: int = 200, repeats: int = 20) -> float:
-    """Seconds per tensor of plan/pack/checksum/stage/apply with 1-element tensors (bytes ~ 0): the
-    part of a refit's cost that scales with the tensor count, not the bytes."""
-    from moerl.refit.plan import Receiver, build_plan, pack_bucket
-
+    """Seconds per tensor of pack/checksum/stage/apply with 1-element tensors (bytes ~ 0): the part
+    of a refit's cost that scales with the tensor count, not the bytes."""
     tensors = {f"t{i:04d}": torch.zeros(1) for i in range(n)}
     targets = {k: torch.zeros(1, dtype=torch.bfloat16) for k in tensors}
     plan = build_plan({k: (1,) for k in tensors}, "adapter", "bfloat16", 2**20)
@@ -62,12 +97,11 @@ def per_tensor_overhead(n: int = 200, repeats: int = 20) -> float:
 
     rx = Receiver(apply)
     rx.set_plan(plan)
-    buf = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8)
     best = float("inf")
     for version in range(repeats):
         t = time.perf_counter()
         for b in plan.buckets:
-            rx.stage(version, b.index, buf, pack_bucket(b, tensors, buf, plan))
+            rx.stage(version, b.index, None, pack_bucket(b, tensors, rx.region(b.index), plan))
         rx.commit(version)
         best = min(best, time.perf_counter() - t)
     return best / n
@@ -80,46 +114,120 @@ def perturb(model, scale=1e-3):
                 p.add_(torch.randn_like(p) * scale)
 
 
-def bench_preset(name: str, overrides: dict, refits: dict, bw: float, per_tensor: float) -> dict:
+def _policy(overrides: dict):
     cfg = ExperimentConfig()
     for k, v in overrides.items():
         setattr(cfg.model, k, v)
-    tok = build_tokenizer()
-    policy = apply_lora(build_model(cfg.model, tok), cfg.lora, cfg.model.preset)
+    policy = apply_lora(build_model(cfg.model, build_tokenizer()), cfg.lora, cfg.model.preset)
     perturb(policy, 0.02)
-    n_params = sum(p.numel() for n, p in policy.named_parameters() if not p.requires_grad)
-    row = {"preset": name, "model": dict(overrides), "base_params": n_params, "lora_rank": cfg.lora.rank,
-           "bucket_mb": cfg.refit.bucket_mb}
-    for mode in ("adapter", "merged"):
-        cfg.refit.mode = mode
-        with EngineProcess(cfg, policy, threads=1) as engine:
-            refitter = make_refitter(cfg.refit, policy, engine, cfg.rollout.dtype)
-            refitter.sync()  # first refit builds and sends the plan
-            secs = []
-            for _ in range(refits[mode]):
-                perturb(policy)
-                secs.append(refitter.sync()["refit/seconds"])
-            rtt = statistics.median([_timed(engine.ping) for _ in range(20)])
-            plan = refitter.plan(refitter.tensors())
-            n_tensors = len(plan.names())
-            row[mode] = {"bytes": plan.total_bytes, "buckets": len(plan.buckets), "tensors": n_tensors,
-                         "seconds_median": statistics.median(secs),
-                         "seconds_min": min(secs), "refits": len(secs), "ping_rtt_s": rtt,
-                         "plan_cache": {"hits": refitter.cache.hits, "misses": refitter.cache.misses}}
-        # fixed cost: one message round trip per bucket + the commit, and the per-tensor overhead
-        fixed = (row[mode]["buckets"] + 1) * row[mode]["ping_rtt_s"] + row[mode]["tensors"] * per_tensor
-        row[mode]["fixed_seconds"] = fixed
-        row[mode]["model_seconds"] = row[mode]["bytes"] / bw + fixed
-        row[mode]["measured_over_model"] = row[mode]["seconds_median"] / row[mode]["model_seconds"]
-    row["speedup_adapter_vs_merged"] = row["merged"]["seconds_median"] / row["adapter"]["seconds_median"]
-    row["bytes_ratio"] = row["merged"]["bytes"] / row["adapter"]["bytes"]
-    return row
+    return cfg, policy
 
 
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+@torch.no_grad()
+def pass_breakdown(cfg, policy, mode: str, wire: torch.dtype, bucket_bytes: int, repeats: int = 3) -> dict:
+    """One refit in-process, pass by pass (best of ``repeats``): reading the trainer's tensors, packing
+    (merge, cast and checksum fused), the engine's checksum of each bucket, applying from the staging
+    buffer into a model in the wire dtype, and packing plain tensors (``pack_plain``). Also checks that
+    the engine is handed exactly the trainer's tensors cast to the wire dtype (``identical``)."""
+    engine_model = build_model(cfg.model, build_tokenizer())
+    if mode == "adapter":
+        engine_model = apply_lora(engine_model, cfg.lora, cfg.model.preset)
+    refitter = Refitter(mode, bucket_bytes, policy, None, wire)
+    plan = refitter.plan(refitter.tensors())
+    rx = LocalTransport(engine_model.to(wire), mode).receiver
+    rx.set_plan(plan)
+    best = {k: float("inf") for k in ("read", "pack", "verify", "apply")}
+    for version in range(repeats):
+        t0 = time.perf_counter()
+        tensors = refitter.tensors()
+        t1 = time.perf_counter()
+        digests = [pack_bucket(b, tensors, rx.region(b.index), plan) for b in plan.buckets]
+        t2 = time.perf_counter()
+        for b, digest in zip(plan.buckets, digests):
+            rx.stage(version, b.index, None, digest)
+        t3 = time.perf_counter()
+        rx.commit(version)
+        t4 = time.perf_counter()
+        for k, v in zip(best, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            best[k] = min(best[k], v)
+    ref = effective_state_dict(policy) if mode == "merged" else AdapterMap(policy).state()
+    got = rx.staged
+    identical = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k].to(wire)) for k in ref)
+    # the same packing from plain contiguous fp32 tensors (no merge arithmetic, no reordering of
+    # PEFT's expert B): what is left of "pack" is the cast, the write and the checksum
+    plain = base_state_dict(policy) if mode == "merged" else {k: v.contiguous() for k, v in tensors.items()}
+    best["pack_plain"] = min(_timed(lambda: [pack_bucket(b, plain, rx.region(b.index), plan) for b in plan.buckets])
+                             for _ in range(repeats))
+    return {"seconds": best, "bytes": plan.total_bytes, "identical": identical}
+
+
+def bench_preset(name: str, overrides: dict, rounds: int, adapter_refits: int, per_tensor: float) -> dict:
+    cfg, policy = _policy(overrides)
+    n_params = sum(p.numel() for n, p in policy.named_parameters() if not p.requires_grad)
+    row = {"preset": name, "model": dict(overrides), "base_params": n_params, "lora_rank": cfg.lora.rank,
+           "bucket_mb": cfg.refit.bucket_mb}
+    bucket_bytes = int(cfg.refit.bucket_mb * 2**20)
+    wire = dtype_of({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}[cfg.rollout.dtype])
+    row["passes"] = {mode: pass_breakdown(cfg, policy, mode, wire, bucket_bytes) for mode in ("adapter", "merged")}
+    engines, refitters = {}, {}
+    try:
+        for mode in ("adapter", "merged"):
+            cfg.refit.mode = mode
+            engines[mode] = EngineProcess(cfg, policy, threads=1)
+            refitters[mode] = make_refitter(cfg.refit, policy, engines[mode], cfg.rollout.dtype)
+            refitters[mode].sync()  # the first refit builds and sends the plan
+        per_round = {m: [] for m in ("adapter", "merged")}
+        bw = {1: [], 2: []}
+        rtt = {m: [] for m in per_round}
+        for r in range(rounds):
+            order = ["bw", "adapter", "merged"] if r % 2 == 0 else ["merged", "adapter", "bw"]
+            for step in order:
+                if step == "bw":
+                    for threads in (1, 2):
+                        bw[threads].append(copy_bandwidth(threads))
+                    continue
+                secs = []
+                for _ in range(adapter_refits if step == "adapter" else 1):
+                    perturb(policy)
+                    secs.append(refitters[step].sync()["refit/seconds"])
+                per_round[step].append(statistics.median(secs))
+                rtt[step].append(statistics.median(_timed(engines[step].ping) for _ in range(10)))
+        for mode in ("adapter", "merged"):
+            plan = refitters[mode].plan(refitters[mode].tensors())
+            n_tensors, n_buckets = len(plan.names()), len(plan.buckets)
+            models = [plan.total_bytes / b1 + (n_buckets + 1) * t + n_tensors * per_tensor
+                      for b1, t in zip(bw[1], rtt[mode])]
+            ratios = [s / m for s, m in zip(per_round[mode], models)]
+            secs = statistics.median(per_round[mode])
+            row[mode] = {"bytes": plan.total_bytes, "buckets": n_buckets, "tensors": n_tensors,
+                         "seconds_median": secs, "seconds_min": min(per_round[mode]),
+                         "seconds_per_round": per_round[mode], "refits": rounds * (adapter_refits if mode == "adapter" else 1),
+                         "ping_rtt_s": statistics.median(rtt[mode]), "model_seconds": statistics.median(models),
+                         "fixed_seconds": (n_buckets + 1) * statistics.median(rtt[mode]) + n_tensors * per_tensor,
+                         "measured_over_model": statistics.median(ratios), "ratio_per_round": ratios,
+                         "ratio_min": min(ratios), "ratio_max": max(ratios),
+                         "bytes_per_s": plan.total_bytes / secs,
+                         "of_memcpy_1thread": plan.total_bytes / secs / statistics.median(bw[1]),
+                         "of_memcpy_2threads": plan.total_bytes / secs / statistics.median(bw[2]),
+                         "plan_cache": {"hits": refitters[mode].cache.hits, "misses": refitters[mode].cache.misses}}
+        row["copy_bandwidth_Bps"] = {"1": bw[1], "2": bw[2]}
+    finally:
+        for e in engines.values():
+            e.close()
+    row["speedup_adapter_vs_merged"] = row["merged"]["seconds_median"] / row["adapter"]["seconds_median"]
+    row["bytes_ratio"] = row["merged"]["bytes"] / row["adapter"]["bytes"]
+    return row
+
+
+def _spread(values, scale=1.0, fmt="{:.2f}") -> str:
+    return f"{fmt.format(statistics.median(values) * scale)} [{fmt.format(min(values) * scale)}-" \
+           f"{fmt.format(max(values) * scale)}]"
 
 
 # ---- drift -------------------------------------------------------------------------------------
@@ -218,31 +326,54 @@ def analytic(bandwidth: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="default preset only, fewer refits")
+    ap.add_argument("--quick", action="store_true", help="default preset only, fewer rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating measurement rounds per preset")
     args = ap.parse_args()
     torch.set_num_threads(1)
     OUT.mkdir(parents=True, exist_ok=True)
-    bw = copy_bandwidth()
+    rounds = args.rounds or (3 if args.quick else 7)
+    sums = checksum_speeds()
+    print("checksum speed, 1 thread: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in sums.items()))
     per_tensor = per_tensor_overhead()
-    print(f"memory-copy bandwidth (1 thread, 256 MiB): {bw / 1e9:.2f} GB/s; per-tensor refit overhead "
-          f"{per_tensor * 1e6:.1f} us (1-element tensors)")
+    print(f"per-tensor refit overhead {per_tensor * 1e6:.1f} us (1-element tensors, in-process)")
     rows = []
     presets = {"default": PRESETS["default"]} if args.quick else PRESETS
     for name, over in presets.items():
-        refits = {"adapter": 20, "merged": 5 if name == "100M" else 10}
-        row = bench_preset(name, over, refits, bw, per_tensor)
+        row = bench_preset(name, over, rounds, 5, per_tensor)
         rows.append(row)
-        a, m = row["adapter"], row["merged"]
+        bw1, bw2 = row["copy_bandwidth_Bps"]["1"], row["copy_bandwidth_Bps"]["2"]
         print(f"[{name}] base params {row['base_params'] / 1e6:.1f} M; LoRA r={row['lora_rank']}, bucket "
-              f"{row['bucket_mb']} MB, engine in its own process, bf16 wire")
-        for mode, r in (("adapter", a), ("merged", m)):
-            print(f"  {mode:8s} {r['bytes'] / 2**20:9.2f} MiB in {r['buckets']:3d} buckets: median "
-                  f"{r['seconds_median'] * 1e3:8.2f} ms; model bytes/bw + fixed ({r['buckets'] + 1} x RTT "
-                  f"{r['ping_rtt_s'] * 1e3:.2f} ms + {r['tensors']} tensors x overhead = {r['fixed_seconds'] * 1e3:.2f} ms)"
-                  f" = {r['model_seconds'] * 1e3:8.2f} ms -> measured/model "
-                  f"{r['measured_over_model']:.2f}")
+              f"{row['bucket_mb']} MB, engine in its own process, bf16 wire, {rounds} alternating rounds "
+              f"(median [min-max] over rounds)")
+        print(f"  memcpy bandwidth (256 MiB): 1 thread {_spread(bw1, 1e-9)} GB/s, 2 threads {_spread(bw2, 1e-9)} GB/s")
+        for mode in ("adapter", "merged"):
+            r, p = row[mode], row["passes"][mode]
+            print(f"  {mode:8s} {r['bytes'] / 2**20:7.2f} MiB in {r['buckets']:3d} buckets, {r['tensors']} tensors: "
+                  f"{_spread(r['seconds_per_round'], 1e3)} ms; copy model {r['model_seconds'] * 1e3:.2f} ms "
+                  f"(of which fixed {r['fixed_seconds'] * 1e3:.2f}) -> measured/model {_spread(r['ratio_per_round'])}")
+            print(f"           {r['bytes_per_s'] / 1e9:.2f} GB/s = {r['of_memcpy_1thread']:.2f} x memcpy (1 thread), "
+                  f"{r['of_memcpy_2threads']:.2f} x memcpy (2 threads)")
+            print("           passes, in-process, best of 3: " + ", ".join(
+                f"{k} {v * 1e3:.2f} ms" for k, v in p["seconds"].items()) +
+                  f"; engine handed exactly the trainer's tensors: {p['identical']}")
         print(f"  adapter-only is {row['speedup_adapter_vs_merged']:.1f}x faster than merged "
               f"({row['bytes_ratio']:.1f}x fewer bytes)")
+    big = rows[-1]
+    targets = {}
+    print(f"targets ({big['preset']} preset, measured / copy model, median over rounds):")
+    for mode, limit in TARGETS.items():
+        ratio = big[mode]["measured_over_model"]
+        targets[mode] = {"limit": limit, "ratio": ratio, "met": ratio <= limit,
+                         "ratio_range": [big[mode]["ratio_min"], big[mode]["ratio_max"]]}
+        print(f"  {mode:8s} <= {limit:.0f}x: {ratio:.2f}x [{big[mode]['ratio_min']:.2f}-{big[mode]['ratio_max']:.2f}] "
+              f"-> {'met' if ratio <= limit else 'NOT met'}")
+        sec, model = big["passes"][mode]["seconds"], big[mode]["model_seconds"]
+        work = sec["read"] + sec["pack"] + sec["verify"] + sec["apply"]
+        floor = sec["pack_plain"] + sec["verify"] + sec["apply"] + big[mode]["fixed_seconds"]
+        targets[mode].update(passes_over_model=work / model, plain_floor_over_model=floor / model)
+        print(f"           in-process passes {work * 1e3:.2f} ms = {work / model:.2f}x the copy model; packing plain "
+              f"tensors (no {'merge arithmetic' if mode == 'merged' else 'reordering of expert B'}) + verify + apply "
+              f"+ fixed {floor * 1e3:.2f} ms = {floor / model:.2f}x")
     curves = drift()
     print(f"drift after {len(curves['adapter'])} refits (rel. Frobenius error of the engine's effective weights "
           f"vs the trainer's fp32 W + BA): adapter-only {curves['adapter'][-1]:.3e} (first {curves['adapter'][0]:.3e}),"
@@ -255,8 +386,11 @@ def main() -> None:
         print(f"  {name:20s} full bf16 {r['full_bf16_bytes'] / 1e9:8.1f} GB {r['full_seconds']:7.1f} s | " + " | ".join(
             f"r{rk} {md} {r[f'r{rk}_{md}_bytes'] / 1e9:6.2f} GB {r[f'r{rk}_{md}_seconds']:6.2f} s"
             for rk in (32, 128) for md in ("shared", "shared_outer", "per_expert")))
-    result = {"copy_bandwidth_Bps": bw, "per_tensor_overhead_s": per_tensor, "presets": rows, "drift": curves, "analytic": model,
-              "analytic_bandwidth_Bps": nemo_bw, "nemo_rl_dsv3_refit_seconds": {"before": 692.5, "v0.3": 47.2}}
+    result = {"copy_bandwidth_Bps": statistics.median(big["copy_bandwidth_Bps"]["1"]),
+              "copy_bandwidth_2threads_Bps": statistics.median(big["copy_bandwidth_Bps"]["2"]),
+              "checksum_Bps": sums, "per_tensor_overhead_s": per_tensor, "rounds": rounds, "targets": targets,
+              "presets": rows, "drift": curves, "analytic": model, "analytic_bandwidth_Bps": nemo_bw,
+              "nemo_rl_dsv3_refit_seconds": {"before": 692.5, "v0.3": 47.2}}
     (OUT / "bench_refit.json").write_text(json.dumps(result, indent=1))
     _plot(rows, curves, model)
     print(f"saved {OUT / 'bench_refit.json'} and {OUT / 'bench_refit.png'}")
@@ -268,32 +402,49 @@ def _plot(rows, curves, model) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, ax = plt.subplots(1, 4, figsize=(21, 4.5))
     labels = [r["preset"] for r in rows]
     x = range(len(rows))
-    ax[0].bar([i - 0.2 for i in x], [r["adapter"]["seconds_median"] * 1e3 for r in rows], 0.4, label="adapter-only")
-    ax[0].bar([i + 0.2 for i in x], [r["merged"]["seconds_median"] * 1e3 for r in rows], 0.4, label="merged")
+    for j, (mode, color) in enumerate((("adapter", "C0"), ("merged", "C1"))):
+        med = [r[mode]["seconds_median"] * 1e3 for r in rows]
+        lo = [m - r[mode]["seconds_min"] * 1e3 for m, r in zip(med, rows)]
+        hi = [max(r[mode]["seconds_per_round"]) * 1e3 - m for m, r in zip(med, rows)]
+        ax[0].bar([i + 0.4 * j - 0.3 for i in x], med, 0.2, yerr=[lo, hi], color=color, label=f"{mode}: measured")
+        ax[0].bar([i + 0.4 * j - 0.1 for i in x], [r[mode]["model_seconds"] * 1e3 for r in rows], 0.2, color=color,
+                  alpha=0.35, hatch="//", label=f"{mode}: copy model")
+        for i, r in enumerate(rows):
+            ratios = r[mode]["ratio_per_round"]
+            ax[1].scatter([i + 0.2 * (2 * j - 1)] * len(ratios), ratios, color=color, s=14,
+                          label=mode if i == 0 else None)
+    for mode, limit in TARGETS.items():
+        ax[1].axhline(limit, color="C0" if mode == "adapter" else "C1", ls="--", lw=1,
+                      label=f"{mode} target {limit:.0f}x ({rows[-1]['preset']})")
     ax[0].set_xticks(list(x), labels)
     ax[0].set_yscale("log")
-    ax[0].set_ylabel("ms per refit (median)")
-    ax[0].set_title("refit into an engine process")
-    ax[0].legend()
-    ax[1].plot(curves["adapter"], label="adapter-only (unmerged)")
-    ax[1].plot(curves["merged"], label="merged, bf16 base merge/unmerge")
-    ax[1].set_yscale("log")
-    ax[1].set_xlabel("refit")
-    ax[1].set_ylabel("rel. error of engine weights")
-    ax[1].set_title("drift over refits (default preset)")
-    ax[1].legend()
+    ax[0].set_ylabel("ms per refit (median, min-max over rounds)")
+    ax[0].set_title("refit into an engine process vs copy model")
+    ax[0].legend(fontsize=7)
+    ax[1].set_xticks(list(x), labels)
+    ax[1].set_ylim(bottom=0)
+    ax[1].set_ylabel("measured / copy model (one point per round)")
+    ax[1].set_title("cost over the copy model")
+    ax[1].legend(fontsize=7)
+    ax[2].plot(curves["adapter"], label="adapter-only (unmerged)")
+    ax[2].plot(curves["merged"], label="merged, bf16 base merge/unmerge")
+    ax[2].set_yscale("log")
+    ax[2].set_xlabel("refit")
+    ax[2].set_ylabel("rel. error of engine weights")
+    ax[2].set_title("drift over refits (default preset)")
+    ax[2].legend()
     names = list(model)
     for j, key in enumerate(["full_bf16", "r128_per_expert", "r128_shared", "r32_per_expert", "r32_shared"]):
-        ax[2].bar([i + (j - 2) * 0.16 for i in range(len(names))], [model[n][f"{key}_bytes"] / 1e9 for n in names],
+        ax[3].bar([i + (j - 2) * 0.16 for i in range(len(names))], [model[n][f"{key}_bytes"] / 1e9 for n in names],
                   0.16, label=key)
-    ax[2].set_xticks(range(len(names)), names, fontsize=8)
-    ax[2].set_yscale("log")
-    ax[2].set_ylabel("GB per refit")
-    ax[2].set_title("analytic bytes per refit")
-    ax[2].legend(fontsize=7)
+    ax[3].set_xticks(range(len(names)), names, fontsize=8)
+    ax[3].set_yscale("log")
+    ax[3].set_ylabel("GB per refit")
+    ax[3].set_title("analytic bytes per refit")
+    ax[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "bench_refit.png", dpi=110)
 

@@ -5,7 +5,8 @@
 
 Each experiment directory becomes one section, in the order given.
 
-Columns: final held-out accuracy (greedy and pass@1 at T=1), mean k3 KL between rollout and
+For experiment 05 the section opens with its claims table (moerl.claims): the source's value,
+this repository's value and whether it was reproduced. Columns: final held-out accuracy (greedy and pass@1 at T=1), mean k3 KL between rollout and
 trainer, routing agreement, PPO clip fraction, masked token fraction, IS ratio p99, wall time per
 run. The header names the commit(s) that produced the runs (their git_sha.txt), the machine(s)
 they ran on (machine.json: bf16 numerics depend on the CPU's bf16 instructions, fp32 runs do not),
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from moerl import claims
 from moerl.plots import load_questions
-from moerl.results import MissingRunError, find_runs, load_sweep, mean_std, run_table, seed_stats
+from moerl.results import MissingRunError, find_runs, load_metrics, load_sweep, mean_std, run_table, seed_stats
 
 # (column in run_table, header, format, what it is)
 COLUMNS = [
@@ -86,6 +88,15 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
         links += [f"[accuracy]({figures}/{experiment}_accuracy.png)", f"[IS weights]({figures}/{experiment}_is_hist.png)"]
         lines += ["", f"![what each arm does to the mismatch]({figures}/{experiment}_summary.png)", "",
                   "Figures: " + ", ".join(links) + "."]
+    if experiment == claims.EXPERIMENT:
+        metrics = claims.finished(load_metrics(exp_dir.parent, experiment), runs)
+        answered = claims.evaluate_claims(metrics, runs)
+        lines += ["", "### The claims, answered from these runs", "",
+                  "Computed by `moerl.claims` from the runs below (collapse by `moerl.collapse`; \"early\" / "
+                  f"\"late\" = the first / last {claims.WINDOW} steps; ratios pair runs by seed and give the median "
+                  "with the range over seeds). The verdict follows the rule in the last column.", "",
+                  claims.claims_markdown(answered), "",
+                  "Collapse step of each run (— : no collapse within the run):", "", claims.collapse_markdown(metrics)]
     lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished).", ""]
     header = ["arm", "seeds"] + [h for _, h, _, _ in COLUMNS]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

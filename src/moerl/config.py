@@ -129,6 +129,10 @@ class RolloutConfig:
     # 0 disables top-k filtering (transformers' generate defaults to 50 otherwise).
     top_k: int = num(0, 0)
     capture_routing: bool = True
+    # Torch threads while the embedded engine generates (null: the process's ``threads``). Decode steps
+    # are many tiny kernels; on a small model a second thread can cost more than it gives (see README,
+    # Benchmarks). How a run is executed, not what it computes: not part of the run's identity.
+    threads: int | None = num(None, 1)
 
 
 @dataclass
@@ -286,7 +290,7 @@ def resolved_threads(cfg: ExperimentConfig) -> int:
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
 # run's identity (a resumed run may use other threads or another wandb mode).
-OPERATIONAL_KEYS = ("threads", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+OPERATIONAL_KEYS = ("threads", "rollout.threads", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict:

@@ -38,10 +38,12 @@ ARM_COLORS = {
     "mis": "#98df8a",
     "icepop": "#bcbd22",
     "gspo": "#8c564b",
-    "ppo_tight": "#c49c94",
+    "ppo_tight_clip": "#c49c94",
+    "baseline_fp8": "#393b79",
+    "deepseek_fp32_rollout": "#7b4173",
     "deepseek_baseline": "#ff9896",
     "deepseek_r3": "#d62728",
-    "deepseek_r3_by_position": "#ff7f0e",
+    "deepseek_r3_position_bug": "#ff7f0e",
     "lora_shared": "#9467bd",
     "lora_shared_outer": "#c5b0d5",
     "refit_merged": "#e377c2",
@@ -64,6 +66,9 @@ METRIC_LABELS = {
     "is/truncated_frac": "TIS truncated fraction",
     "mask/token_frac": "masked token fraction",
     "effective/token_frac": "tokens with gradient",
+    "routing/any_layer_differs": "tokens re-routed in >= 1 MoE layer",
+    "routing/differing_layers_mean": "re-routed MoE layers per token",
+    "routing/agreement": "routing agreement, trainer-native vs rollout",
     "refit/seconds": "refit seconds",
     "eval/pass1": "held-out pass@1 (T=1)",
     "eval/greedy": "held-out greedy accuracy",
@@ -83,13 +88,19 @@ def arm_color(arm: str):
 
 @dataclass
 class Question:
-    """One figure: ``title`` (the question), the ``arms`` it compares and the ``metrics`` it draws."""
+    """One figure: ``title`` (the question), the ``arms`` it compares and the ``metrics`` it draws.
+    ``kind``: ``curves`` (metrics over training; a reward panel marks each run's collapse step) or
+    ``tau_curve`` (the extreme-token curve F(tau) of each arm, from its ``mismatch/extreme_gt*``)."""
 
     name: str
     title: str
     arms: list[str]
     metrics: list[str] = field(default_factory=lambda: ["reward/mean", "mismatch/k3", "routing/disagreement"])
     reference: str = "baseline"
+    kind: str = "curves"
+
+
+QUESTION_KINDS = ("curves", "tau_curve")
 
 
 def load_questions(experiment: str, experiments_dir: str | Path | None = None) -> list[Question]:
@@ -104,9 +115,11 @@ def load_questions(experiment: str, experiments_dir: str | Path | None = None) -
         missing = [k for k in ("name", "title", "arms") if k not in entry]
         if missing:
             raise ValueError(f"{path}: questions[{i}] lacks {missing} (expected name, title, arms[, metrics, reference])")
-        unknown = set(entry) - {"name", "title", "arms", "metrics", "reference"}
+        unknown = set(entry) - {"name", "title", "arms", "metrics", "reference", "kind"}
         if unknown:
             raise ValueError(f"{path}: questions[{i}] has unknown key(s) {sorted(unknown)}")
+        if entry.get("kind", "curves") not in QUESTION_KINDS:
+            raise ValueError(f"{path}: questions[{i}].kind is {entry['kind']!r}, expected one of {QUESTION_KINDS}")
         out.append(Question(**entry))
     return out
 
@@ -147,10 +160,24 @@ def _band(ax, df: pd.DataFrame, key: str, label: str, smooth: int = 1, **kw):
         ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), alpha=0.2, color=line.get_color())
 
 
+def _collapse_marks(ax, df: pd.DataFrame, arm: str, smooth: int) -> None:
+    """An x at each run's collapse step (moerl.collapse), on the arm's smoothed reward curve."""
+    from moerl.collapse import collapse_step
+
+    for _, run in df.groupby("seed"):
+        run = run.sort_values("step")
+        step = collapse_step(run.to_dict("records"))
+        if step is not None:
+            reward = run.set_index("step")["reward/mean"].rolling(smooth, min_periods=1).mean()
+            ax.plot([step], [reward.get(step, np.nan)], marker="x", ms=9, mew=2.2, color=arm_color(arm),
+                    ls="none", label="collapse step")
+
+
 def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: int = 1,
            log_keys: tuple[str, ...] = (), arms: list[str] | None = None) -> plt.Figure:
     """One panel per (metric key, panel title); one line (+ seed band) per arm, in the arm's fixed
-    colour; ``arms`` selects and orders the arms (default: all, alphabetically)."""
+    colour; ``arms`` selects and orders the arms (default: all, alphabetically). A training-reward
+    panel marks each run that collapsed (moerl.collapse) with an x at its collapse step."""
     arms = arms or sorted(df["arm"].unique())
     df = df[df["arm"].isin(arms)]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.0), squeeze=False)
@@ -159,6 +186,8 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
             sub = df[df["arm"] == arm]
             if key in sub:
                 _band(ax, sub, key, arm, smooth=smooth, color=arm_color(arm), lw=1.4)
+                if key == "reward/mean":
+                    _collapse_marks(ax, sub, arm, smooth)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("GRPO step")
         if key in log_keys:
@@ -170,8 +199,46 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
     return fig
 
 
+def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None) -> plt.Figure:
+    """F(tau): the share of response tokens with max(rho, 1/rho) > tau, rho = pi_old / pi_rollout, per arm
+    (mean over its steps, one point per seed and the mean over seeds as the line), on log-log axes."""
+    keys = sorted((float(c.removeprefix("mismatch/extreme_gt")), c) for c in df.columns
+                  if c.startswith("mismatch/extreme_gt"))
+    if not keys:
+        raise KeyError("no mismatch/extreme_gt* metric was recorded")
+    arms = [a for a in (arms or sorted(df["arm"].unique())) if a in set(df["arm"])]
+    taus = [t for t, _ in keys]
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    floor = None
+    for arm in arms:
+        per_seed = df[df["arm"] == arm].groupby("seed")[[c for _, c in keys]].mean()
+        if per_seed.empty:
+            continue
+        mean = per_seed.mean(axis=0).values
+        positive = per_seed.values[per_seed.values > 0]
+        if positive.size:
+            floor = positive.min() if floor is None else min(floor, positive.min())
+        ax.plot(taus, mean, marker="o", color=arm_color(arm), label=arm, lw=1.5)
+        for row in per_seed.values:
+            ax.scatter(taus, row, s=8, color=arm_color(arm), alpha=0.45)
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=(floor or 1e-6) / 2)  # an arm with no extreme token sits at 0
+    ax.set_ylim(bottom=0)
+    ax.set_xticks(taus, [f"{t:g}" for t in taus])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("tau")
+    ax.set_ylabel("F(tau) = share of tokens with\nmax(rho, 1/rho) > tau", fontsize=9)
+    ax.grid(alpha=0.3)
+    _legend_outside(fig, ax, arms)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5) -> plt.Figure:
-    """The curves of one question: its metrics over training for its arms."""
+    """The figure of one question: its metrics over training for its arms, or its F(tau) curve."""
+    if question.kind == "tau_curve":
+        return tau_curve(df, question.title, question.arms)
     panels = [(k, METRIC_LABELS.get(k, k)) for k in question.metrics if k in df and df[k].notna().any()]
     if not panels:
         raise KeyError(f"question '{question.name}': none of its metrics {question.metrics} was recorded")
@@ -419,7 +486,7 @@ def _paired_ratio(runs: pd.DataFrame, key: str, reference: str) -> pd.DataFrame:
 
 
 def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | None = None,
-                   reference: str = "baseline") -> plt.Figure:
+                   reference: str = "baseline", k3_key: str = "mean/mismatch/k3") -> plt.Figure:
     """The headline: how much does each arm change the mismatch? Left, k3 relative to the reference
     arm on the same seed (bar = mean, whisker = min-max over seeds); right, the share of tokens whose
     trainer-native top-k equals the rollout's beside the share of replayed rows that took the
@@ -439,7 +506,7 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
     y = np.arange(len(order))[::-1]
     pos = dict(zip(order, y))
     fig, (ax_k3, ax_route) = plt.subplots(1, 2, figsize=(9.5, 0.32 * len(order) + 2.0), sharey=True)
-    ratio = _paired_ratio(runs, "mean/mismatch/k3", reference).reindex(order)
+    ratio = _paired_ratio(runs, k3_key, reference).reindex(order)
     # An arm with (near-)zero mismatch (the fp32 rollout) would stretch the log axis by many decades:
     # the axis covers the others and such an arm gets a note at the left edge instead of a bar.
     shown = ratio["mean"][(ratio["mean"] > 1e-3)]
@@ -457,13 +524,14 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
             ax_k3.plot([r["lo"], r["hi"]], [pos[arm]] * 2, color="k", lw=1)
         ax_k3.text(max(r["mean"], r["hi"] if r["n"] > 1 else 0) * 1.08, pos[arm], f"{r['mean']:.2g}×",
                    va="center", fontsize=7)
+    ax_k3.set_xscale("log")  # first: setting the scale resets the axis' locators and formatters
     ax_k3.set_xlim(left, right)
     ax_k3.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(0.1, 0.2, 0.5, 1.0)))
     ax_k3.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g×"))
     ax_k3.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_k3.axvline(1.0, color="k", lw=0.8, ls="--")
-    ax_k3.set_xscale("log")
-    ax_k3.set_xlabel(f"k3 KL relative to {reference} (same seed)", fontsize=9)
+    statistic = "run-median " if k3_key.startswith("median/") else ""
+    ax_k3.set_xlabel(f"{statistic}k3 KL relative to {reference} (same seed)", fontsize=9)
     ax_k3.set_yticks(y, order, fontsize=8)
     from matplotlib.patches import Patch
 
@@ -544,14 +612,21 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
         questions = [Question("training", f"{experiment}: training", sorted(train["arm"].unique()))]
     paths = []
     for q in questions:
-        recorded = [k for k in q.metrics if k in train and train[k].notna().any()]
+        wanted = [k for k in train if k.startswith("mismatch/extreme_gt")] if q.kind == "tau_curve" else q.metrics
+        recorded = [k for k in wanted if k in train and train[k].notna().any()]
         if any(a in set(train["arm"]) for a in q.arms) and recorded:
             paths.append(save(question_figure(train, q), out_dir / f"{experiment}_{q.name}.png"))
     if runs is not None and not runs.empty:
         runs = runs[runs["experiment"] == experiment]
         reference = questions[0].reference
+        k3_key = "mean/mismatch/k3"
+        if "mismatch/k3" in train:  # per-step k3 is heavy-tailed: compare runs by their median step
+            k3_key = "median/mismatch/k3"
+            medians = train.groupby(["arm", "seed"])["mismatch/k3"].median().rename(k3_key).reset_index()
+            runs = runs.drop(columns=[k3_key], errors="ignore").merge(medians, on=["arm", "seed"], how="left")
         paths.append(save(summary_figure(runs, f"{experiment}: what each arm does to the mismatch "
-                                               f"(mean over seeds, whisker = min-max)", questions, reference),
+                                               f"(mean over seeds, whisker = min-max)", questions, reference,
+                                         k3_key=k3_key),
                           out_dir / f"{experiment}_summary.png"))
         if "final_eval/eval/pass1" in runs:
             paths.append(save(gain_figure(runs, f"{experiment}: held-out accuracy, final minus initial", questions),

@@ -84,3 +84,28 @@ def test_select_arms_names_what_is_missing():
     assert set(select_arms(df, "r3")["arm"]) == {"r3"} and len(select_arms(df, "")) == len(df)
     with pytest.raises(MissingRunError, match=r"\['nope'\] not recorded \(have: \['baseline', 'r3'\]\)"):
         select_arms(df, ["r3", "nope"])
+
+
+def test_reward_panel_marks_each_collapse_step():
+    df = _frame(["baseline", "r3"], seeds=(0, 1), steps=60)
+    collapsed = (df["arm"] == "baseline") & (df["seed"] == 1)
+    df.loc[collapsed & (df["step"] > 30), "reward/mean"] = 0.0  # learned, then lost it
+    df.loc[collapsed & (df["step"] <= 30), "reward/mean"] = 0.9
+    fig = plots.curves(df, [("reward/mean", "reward")], "t", smooth=1)
+    marks = [line for line in fig.axes[0].get_lines() if line.get_label() == "collapse step"]
+    assert len(marks) == 1 and marks[0].get_xdata()[0] == 40  # the 20-step mean reaches half the peak ~10 steps after the drop
+    assert mcolors.to_rgba(marks[0].get_color()) == mcolors.to_rgba(plots.arm_color("baseline"))
+
+
+def test_tau_curve_and_its_question_kind(tmp_path):
+    df = _frame(["baseline", "r3"])
+    for tau, share in ((1.5, 1e-2), (2.0, 1e-3), (10.0, 0.0)):
+        df[f"mismatch/extreme_gt{tau:g}"] = np.where(df["arm"] == "baseline", share, share / 10)
+    fig = plots.question_figure(df, plots.Question("x", "F?", ["baseline", "r3"], kind="tau_curve"))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert list(lines["baseline"].get_xdata()) == [1.5, 2.0, 10.0]
+    assert np.allclose(lines["r3"].get_ydata(), [1e-3, 1e-4, 0.0])
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "figures.yaml").write_text("questions:\n  - {name: q, title: t, arms: [a], kind: histo}\n")
+    with pytest.raises(ValueError, match=r"questions\[0\].kind is 'histo'"):
+        plots.load_questions("exp", tmp_path)

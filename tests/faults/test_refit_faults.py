@@ -26,8 +26,8 @@ class Wire:
     """Sits on the transport's ``send``: drops bucket ``drop``, or holds bucket ``hold`` back until
     the bucket after it was sent (a reorder). ``out(version, index, checksum)`` delivers one."""
 
-    def __init__(self, out, restore_buffer=None):
-        self.out, self.restore_buffer = out, restore_buffer
+    def __init__(self, out):
+        self.out = out
         self.drop = self.hold = None
         self._held = None
 
@@ -35,28 +35,12 @@ class Wire:
         if index == self.drop:
             return
         if index == self.hold:
-            self._held = (version, index, checksum, self.restore_buffer and self.restore_buffer.save())
+            self._held = (version, index, checksum)
             return
         self.out(version, index, checksum)
         if self._held is not None:
-            version, index, checksum, saved = self._held
-            self._held = None
-            if saved is not None:
-                self.restore_buffer.load(saved)
-            self.out(version, index, checksum)
-
-
-class SharedBuffer:
-    """The in-process transport packs every bucket into one buffer: a held bucket keeps a copy."""
-
-    def __init__(self, transport):
-        self.transport = transport
-
-    def save(self):
-        return self.transport._buf.clone()
-
-    def load(self, saved):
-        self.transport._buf.copy_(saved)
+            held, self._held = self._held, None
+            self.out(*held)
 
 
 def _faults(refitter, weights, wire, nbytes_of_bucket_1):
@@ -112,7 +96,7 @@ def test_refit_bucket_faults_in_process():
     engine = HFEngine(policy, tok, cfg.rollout)
     refitter = make_refitter(RefitConfig(bucket_mb=0.1), policy, engine, cfg.rollout.dtype)
     transport = refitter.transport
-    wire = Wire(transport.send, SharedBuffer(transport))
+    wire = Wire(transport.send)  # each bucket has its own region of the staging buffer: a held one stays put
     transport.send = wire.send
     refitter.sync()
     _faults(refitter, lambda: {k: v.float().clone() for k, v in effective_state_dict(engine.model).items()}, wire,
@@ -127,8 +111,8 @@ def test_refit_bucket_faults_engine_process():
         refitter = make_refitter(cfg.refit, policy, engine, cfg.rollout.dtype)
         refitter.sync()
         real = engine._conn.send
-        wire = Wire(lambda v, i, c: real(("stage", v, i, i % engine.num_slots, c)))
-        engine._conn.send = lambda msg: wire.send(*(msg[1], msg[2], msg[4])) if msg[0] == "stage" else real(msg)
+        wire = Wire(lambda v, i, c: real(("stage", v, i, c)))
+        engine._conn.send = lambda msg: wire.send(*msg[1:]) if msg[0] == "stage" else real(msg)
         engine.timeout = 3  # a dropped bucket is given up on after 3 s without an answer
         _faults(refitter, engine.effective_state_dict, wire, _bucket_bytes(refitter))
         engine.timeout = 60

@@ -13,8 +13,9 @@ from moerl.lora.sharding import Layout, shard, spec_for
 from moerl.models.presets import build_model
 from moerl.refit.adapter_format import (AdapterMap, AdapterMismatchError, canonical_adapter, from_hf_peft,
                                         load_hf_adapter, save_hf_adapter, to_hf_peft)
-from moerl.refit.plan import (CorruptBucketError, PlanCache, Receiver, RefitError, build_plan, pack_bucket,
-                              unpack_bucket)
+from moerl.refit.pack import pack_bucket
+from moerl.refit.plan import CorruptBucketError, PlanCache, RefitError, build_plan, unpack_bucket
+from moerl.refit.receiver import Receiver
 from moerl.refit.refitter import make_refitter
 from moerl.refit.weights import effective_state_dict
 

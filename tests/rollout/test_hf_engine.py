@@ -126,3 +126,18 @@ def test_materialised_expert_lora_refuses_autograd(tokenizer):
     with pytest.raises(RuntimeError, match="inference"):
         with expert_lora_materialised(lora_policy(tokenizer)):
             pass
+
+
+def test_engine_generates_on_its_own_thread_count(tokenizer, monkeypatch):
+    """rollout.threads applies while the engine generates and the process's count comes back after."""
+    seen = []
+    engine = HFEngine(lora_policy(tokenizer), tokenizer, RolloutConfig(max_new_tokens=3, threads=1))
+    generate = engine.model.generate
+    monkeypatch.setattr(engine.model, "generate", lambda *a, **k: seen.append(torch.get_num_threads()) or generate(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine.generate(QUESTIONS, ANSWERS, group_size=2, seed=0)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

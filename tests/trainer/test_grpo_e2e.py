@@ -18,6 +18,24 @@ def run_dir_of(cfg):
     return Path(cfg.tracking.output_dir) / cfg.experiment / cfg.arm / f"seed{cfg.seed}"
 
 
+def crash_after_checkpoint(cfg, step: int, monkeypatch) -> None:
+    """Train ``cfg`` until the checkpoint of ``step`` is written, then die as a killed process would."""
+    cut = GRPOTrainer(cfg, run_dir_of(cfg), progress=False)
+
+    class Crash(BaseException):
+        pass
+
+    def crash(point):
+        if point == "after_checkpoint" and cut.step_idx == step:
+            raise Crash
+
+    monkeypatch.setattr(faults, "hit", crash)
+    with pytest.raises(Crash):
+        cut.train()
+    monkeypatch.undo()
+    cut.tracker.close()
+
+
 @pytest.mark.slow
 def test_run_directory_metrics_and_exact_resume(tmp_path, monkeypatch):
     full_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "a"))
@@ -52,20 +70,7 @@ def test_run_directory_metrics_and_exact_resume(tmp_path, monkeypatch):
 
     # Interrupted after step 2's checkpoint, then resumed to step 3: same weights, no duplicated rows.
     resumed_cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", tiny_overrides_for(tmp_path / "b"))
-    cut = GRPOTrainer(resumed_cfg, run_dir_of(resumed_cfg), progress=False)
-
-    class Crash(BaseException):
-        pass
-
-    def crash(point):
-        if point == "after_checkpoint" and cut.step_idx == 2:
-            raise Crash
-
-    monkeypatch.setattr(faults, "hit", crash)
-    with pytest.raises(Crash):
-        cut.train()
-    monkeypatch.undo()
-    cut.tracker.close()
+    crash_after_checkpoint(resumed_cfg, 2, monkeypatch)
     with open(run_dir_of(resumed_cfg) / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 3, "reward/mean": 0.5, "partial": tr')  # a row the crash left half-written
     GRPOTrainer(resumed_cfg, run_dir_of(resumed_cfg), resume=True, progress=False).train()
@@ -98,3 +103,24 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
     for k, v in trainer.trainable.items():
         assert torch.equal(v, before[k]), k
     assert read_metrics(run_dir_of(cfg) / "metrics.jsonl")[-1]["updates/skipped_nonfinite"] > 0
+
+
+def test_resume_keeps_the_r3_agreement_alarm_reference(tmp_path, monkeypatch):
+    """The alarm's no-replay reference is measured every paired_replay_every steps; a run resumed between
+    two measurements logs the same alarm rows as the uninterrupted run."""
+    def cfg_in(sub):
+        return load_config("experiments/00_tiny_moe_cpu/arms/r3.yaml",
+                           tiny_overrides_for(tmp_path / sub) + ["trainer.paired_replay_every=3",
+                                                                 "rollout.capture_routing=true"])
+
+    full = cfg_in("a")
+    GRPOTrainer(full, run_dir_of(full), progress=False).train()
+    keys = ("routing/agreement_alarm", "routing/agreement_reference")
+    want = [{k: r.get(k) for k in keys} for r in read_metrics(run_dir_of(full) / "metrics.jsonl") if "reward/mean" in r]
+    assert want[2]["routing/agreement_reference"] is not None  # step 3 checks against step 1's reference
+
+    cut_cfg = cfg_in("b")
+    crash_after_checkpoint(cut_cfg, 2, monkeypatch)
+    GRPOTrainer(cut_cfg, run_dir_of(cut_cfg), resume=True, progress=False).train()
+    got = [{k: r.get(k) for k in keys} for r in read_metrics(run_dir_of(cut_cfg) / "metrics.jsonl") if "reward/mean" in r]
+    assert got == want

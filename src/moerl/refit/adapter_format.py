@@ -79,8 +79,8 @@ class AdapterMap:
         def set_a(t, a_w=a_w):
             a_w.data.copy_(t.reshape(a_w.shape))
 
-        def set_b(t, b_w=b_w):
-            b_w.data.copy_(t.permute(1, 2, 0).reshape(b_w.shape))
+        def set_b(t, b_w=b_w):  # one reordering copy into PEFT's [out, r, E] memory order
+            b_w.data.view(b_w.shape[0], -1, num_experts).copy_(t.permute(1, 2, 0))
 
         self.entries[f"{key}.lora_A"] = _Entry(a_shape, lambda: peft_expert_factors(a_w, b_w, num_experts)[0].detach(), set_a)
         self.entries[f"{key}.lora_B"] = _Entry(b_shape, lambda: peft_expert_factors(a_w, b_w, num_experts)[1].detach(), set_b)

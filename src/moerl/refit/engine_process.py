@@ -2,10 +2,11 @@
 
 The worker builds the policy architecture from the experiment config, loads the trainer's initial
 base weights (and adapter), and serves requests over a pipe: refit (plan once, then stage bucket /
-commit), logits, generate (through moerl.rollout.hf.HFEngine) and its effective weights. Bucket
-buffers are torch tensors in shared memory (``share_memory_``), handed to the worker once with the
-plan; a refit writes into them and sends only (version, bucket, checksum) messages. Two buffers
-alternate so packing bucket i+1 overlaps the worker's verify+stage of bucket i.
+commit), logits, generate (through moerl.rollout.hf.HFEngine) and its effective weights. The
+staging buffer of a refit (every bucket at its own offset) is a torch tensor in shared memory
+(``share_memory_``), handed to the worker once with the plan: the trainer packs straight into it and
+sends only (version, bucket, checksum) messages; the worker checks each bucket where it lies while the
+next one is packed, and at commit copies the weights out of it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from moerl.refit.plan import CorruptBucketError, Receiver, RefitError, TransferPlan
+from moerl.refit.plan import CorruptBucketError, RefitError, TransferPlan, bucket_region
+from moerl.refit.receiver import Receiver, new_staging
 
 _CTX = mp.get_context("spawn")
 
@@ -60,7 +62,6 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
     except Exception:  # noqa: BLE001 - report any start-up failure to the parent, then exit
         conn.send(("error", traceback.format_exc()))
         return
-    slots: list[torch.Tensor] = []
     while True:
         try:
             msg = conn.recv()
@@ -69,16 +70,16 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
         op = msg[0]
         try:
             if op == "stage":
-                _, version, index, slot, expected = msg
+                _, version, index, expected = msg
                 try:
-                    receiver.stage(version, index, slots[slot], expected)
+                    receiver.stage(version, index, None, expected)  # checked where the trainer packed it
                     conn.send(("ok", index))
                 except RefitError as err:
                     conn.send(("refit_error", type(err).__name__, str(err), index))
                 continue
             if op == "plan":
-                _, plan, slots = msg
-                receiver.set_plan(plan)
+                _, plan, staging = msg
+                receiver.set_plan(plan, staging)
                 out: Any = None
             elif op == "commit":
                 try:
@@ -117,12 +118,12 @@ class EngineProcess:
     engine's starting weights, sent once at start-up through shared memory."""
 
     def __init__(self, cfg, policy: torch.nn.Module, mode: str | None = None, threads: int = 1,
-                 num_slots: int = 2, timeout: float = 300.0):
+                 timeout: float = 300.0):
         from moerl.refit.adapter_format import canonical_adapter
         from moerl.refit.weights import effective_state_dict, base_state_dict
 
         self.mode = mode or cfg.refit.mode
-        self.timeout, self.num_slots = timeout, num_slots
+        self.timeout = timeout
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
         dtype = dtypes[cfg.rollout.dtype]
         if self.mode == "adapter":
@@ -134,7 +135,8 @@ class EngineProcess:
         self._proc = _CTX.Process(target=_worker, args=(child, cfg, self.mode, base, adapter, threads), daemon=True)
         self._proc.start()
         child.close()
-        self._slots: list[torch.Tensor] = []
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._plan: TransferPlan | None = None
         self._pending: list[int] = []  # buckets sent, ack not yet read
         self._version = 0
         self._errors: list[str] = []
@@ -172,22 +174,22 @@ class EngineProcess:
 
     # -- transport (used by Refitter) ----------------------------------------------------------
     def prepare(self, plan: TransferPlan) -> None:
-        need = plan.max_bucket_bytes
-        if not self._slots or self._slots[0].numel() < need:
-            self._slots = [torch.empty(need, dtype=torch.uint8).share_memory_() for _ in range(self.num_slots)]
-        self._call("plan", plan, self._slots)
+        if self._staging.numel() < plan.total_bytes:
+            self._staging = new_staging(plan, shared=True)
+        self._plan = plan
+        self._call("plan", plan, self._staging)
 
     def buffer(self, index: int) -> torch.Tensor:
-        slot = index % self.num_slots
-        # The bucket that last used this slot must be consumed before it is overwritten (acks are
-        # matched by index, so this holds whatever order the buckets are staged in).
-        self._await(lambda: any(p % self.num_slots == slot for p in self._pending), self._version)
-        return self._slots[slot]
+        # Each bucket has its own region, rewritten only by the next refit, which starts after this
+        # one's commit has read every ack: no waiting here, packing runs ahead of the worker's checks.
+        return bucket_region(self._staging, self._plan.buckets[index])
 
     def send(self, version: int, index: int, checksum: int) -> None:
         self._version = version
-        self._conn.send(("stage", version, index, index % self.num_slots, checksum))
+        self._conn.send(("stage", version, index, checksum))
         self._pending.append(index)
+        while self._pending and self._conn.poll(0):  # keep the ack pipe drained (no back-pressure stall)
+            self._read_ack()
 
     def _await(self, waiting, version) -> None:
         """Read acks while ``waiting()``; a bucket never acknowledged (lost on the way) is named."""

@@ -1,9 +1,11 @@
-"""Transfer plan, bucket packing and checksums: shared by the in-process and out-of-process refit.
+"""Transfer plan: which bytes of which tensor go where, shared by the in-process and out-of-process refit.
 
 As in NeMo-RL's refit work, everything that does not change between refits (names, shapes, dtypes,
 shard mapping, byte offsets, bucket membership) is computed once into a ``TransferPlan`` and cached;
-a refit then only packs tensors into a bucket buffer, checksums it and copies it across. Each bucket
-carries an xxh3-64 checksum of its bytes that the receiver verifies before staging anything.
+a refit then only packs tensors into its buckets (moerl.refit.pack) and the engine verifies and
+applies them (moerl.refit.receiver). The buckets of one refit sit one after another in a single
+staging buffer (``Bucket.start``): the sender packs straight into it and the engine applies from it.
+Each bucket carries an xxh3-64 checksum of its bytes (moerl.refit.checksum).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
-import xxhash
 
 from moerl.lora.sharding import Layout, shard, spec_for
 
@@ -39,11 +40,6 @@ class CorruptBucketError(RefitError):
     """A bucket whose bytes do not match its checksum (names the bucket)."""
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous uint8 CPU tensor's bytes (xxhash: ~10 GB/s, far above copy cost here)."""
-    return xxhash.xxh3_64_intdigest(memoryview(buf.numpy()))
-
-
 @dataclass(frozen=True)
 class Slot:
     name: str
@@ -58,6 +54,7 @@ class Bucket:
     index: int
     nbytes: int
     slots: tuple[Slot, ...]
+    start: int = 0  # byte offset of the bucket in the refit's staging buffer (slot offsets are relative to it)
 
 
 @dataclass(frozen=True)
@@ -112,17 +109,17 @@ def build_plan(shapes: Mapping[str, tuple[int, ...]], mode: str, wire_dtype: str
     elem = torch.empty((), dtype=dtype_of(wire_dtype)).element_size()
     buckets: list[Bucket] = []
     cur: list[Slot] = []
-    off = 0
+    off = start = 0
     for name in sorted(shapes):
         for rank, shp in sorted(shard_shapes(name, tuple(shapes[name]), engine_layout).items()):
             nbytes = elem * int(torch.Size(shp).numel())
             if cur and off + nbytes > bucket_bytes:
-                buckets.append(Bucket(len(buckets), off, tuple(cur)))
-                cur, off = [], 0
+                buckets.append(Bucket(len(buckets), off, tuple(cur), start))
+                cur, start, off = [], start + off, 0
             cur.append(Slot(name, rank, shp, off, nbytes))
             off = _align(off + nbytes)
     if cur:
-        buckets.append(Bucket(len(buckets), off, tuple(cur)))
+        buckets.append(Bucket(len(buckets), off, tuple(cur), start))
     if not buckets:
         raise ValueError("refit: nothing to transfer (empty tensor set)")
     return TransferPlan(mode, wire_dtype, bucket_bytes, engine_layout, tuple(buckets),
@@ -149,7 +146,7 @@ class PlanCache:
         return plan
 
 
-# ---- pack / unpack -----------------------------------------------------------------------------
+# ---- typed views of a buffer -------------------------------------------------------------------
 
 
 def _view(buf: torch.Tensor, slot: Slot, dtype: torch.dtype) -> torch.Tensor:
@@ -159,9 +156,10 @@ def _view(buf: torch.Tensor, slot: Slot, dtype: torch.dtype) -> torch.Tensor:
 _VIEWS: dict = {}  # (plan signature, bucket, buffer address, rank) -> [(slot, typed view)]: computed once
 
 
-def _views(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan, rank=None) -> list:
-    """Typed views of a bucket's slots in ``buf``, cached: buffers are reused refit after refit, so a
-    refit does no per-tensor slicing/view work (NeMo-RL's "ahead-of-time metadata" lesson)."""
+def slot_views(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan, rank=None) -> list:
+    """Typed views of a bucket's slots in ``buf`` (the bucket's bytes from offset 0), cached: buffers
+    are reused refit after refit, so a refit does no per-tensor slicing/view work (NeMo-RL's
+    "ahead-of-time metadata" lesson)."""
     key = (plan.signature, bucket.index, buf.data_ptr(), buf.numel(), rank)
     views = _VIEWS.get(key)
     if views is None:
@@ -172,91 +170,13 @@ def _views(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan, rank=None) -> 
     return views
 
 
-@torch.no_grad()
-def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor, plan: TransferPlan) -> int:
-    """Copy (casting to the wire dtype, resharding to the engine's layout) into ``buf``; return checksum."""
-    sharded: dict[str, dict] = {}
-    for slot, view in _views(bucket, buf, plan):
-        t = tensors[slot.name]
-        if plan.engine_layout != Layout():
-            if slot.name not in sharded:
-                sharded[slot.name] = shard(t, spec_for(slot.name, tuple(t.shape)), plan.engine_layout, slot.name)
-            t = sharded[slot.name][slot.rank]
-        if t.shape != view.shape:
-            raise RefitError(f"refit: tensor '{slot.name}' has shape {tuple(t.shape)}, the cached plan says "
-                             f"{slot.shape} (the model changed; build a new plan)")
-        view.copy_(t)
-    return checksum(buf[:bucket.nbytes])
+def bucket_region(staging: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """The bytes of ``bucket`` in a refit's staging buffer."""
+    return staging[bucket.start:bucket.start + bucket.nbytes]
 
 
 @torch.no_grad()
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor, plan: TransferPlan,
-                  rank: tuple[int, int] = (0, 0), out: dict | None = None) -> dict[str, torch.Tensor]:
-    """Copies (not views) of this rank's tensors: the buffer is reused for the next bucket. With
-    ``out`` (a staging dict from an earlier refit of the same plan) the copies go into its tensors."""
-    out = {} if out is None else out
-    for slot, view in _views(bucket, buf, plan, rank):
-        dst = out.get(slot.name)
-        if dst is None:
-            out[slot.name] = view.clone()
-        else:
-            dst.copy_(view)
-    return out
-
-
-class Receiver:
-    """Engine side of a refit: verify each bucket, stage its tensors, apply all at commit.
-
-    ``apply(tensors)`` must validate before it mutates (AdapterMap.load does); any failure drops the
-    staged tensors, so the engine never serves half-updated weights."""
-
-    def __init__(self, apply, rank: tuple[int, int] = (0, 0)):
-        self.apply, self.rank = apply, rank
-        self.plan: TransferPlan | None = None
-        self.staged = {}
-        self._reset(None)
-
-    def _reset(self, version) -> None:
-        self.version, self.received, self.error = version, set(), None
-
-    def set_plan(self, plan: TransferPlan) -> None:
-        self.plan = plan
-        self.staged: dict[str, torch.Tensor] = {}  # staging tensors, allocated once per plan and reused
-        self._reset(None)
-
-    def stage(self, version: int, index: int, buf: torch.Tensor, expected: int) -> None:
-        if self.plan is None:
-            raise RefitError("refit: a bucket arrived before any transfer plan")
-        if version != self.version:
-            self._reset(version)
-        if self.error is not None:
-            raise RefitError(self.error)
-        try:
-            bucket = self.plan.buckets[index]
-        except IndexError:
-            self.error = f"refit {version}: bucket {index} is not in the plan ({len(self.plan.buckets)} buckets)"
-            raise RefitError(self.error) from None
-        got = checksum(buf[:bucket.nbytes])
-        if got != expected:
-            self.error = (f"refit {version}: bucket {index} of {len(self.plan.buckets)} failed its checksum "
-                          f"(got {got:#018x}, sender said {expected:#018x}; {bucket.nbytes} bytes, first tensor "
-                          f"'{bucket.slots[0].name}'); keeping the previous weights")
-            raise CorruptBucketError(self.error)
-        unpack_bucket(bucket, buf, self.plan, self.rank, out=self.staged)
-        self.received.add(index)
-
-    def commit(self, version: int) -> int:
-        """Apply the staged refit; returns the number of tensors applied."""
-        try:
-            if self.plan is None or version != self.version:
-                raise RefitError(f"refit {version}: commit without any bucket of this refit")
-            if self.error is not None:
-                raise RefitError(self.error)
-            missing = sorted(set(range(len(self.plan.buckets))) - self.received)
-            if missing:
-                raise RefitError(f"refit {version}: partial transfer, bucket(s) {missing[:8]} of "
-                                 f"{len(self.plan.buckets)} never arrived; keeping the previous weights")
-            self.apply(self.staged)
-            return len(self.staged)
-        finally:
-            self._reset(None)
+                  rank: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
+    """Copies (not views) of this rank's tensors in a packed bucket (tests, debugging)."""
+    return {slot.name: view.clone() for slot, view in slot_views(bucket, buf, plan, rank)}

@@ -3,9 +3,9 @@
     refitter = make_refitter(cfg.refit, policy, engine, rollout_dtype=cfg.rollout.dtype)
     metrics = refitter.sync()   # {"refit/bytes", "refit/seconds", "refit/buckets", ...}
 
-``engine`` is either an ``EngineProcess`` (own process, shared-memory buckets) or any in-process
-engine exposing ``.model`` (moerl.rollout.hf.HFEngine): both go through the same plan, pack,
-checksum and receiver code; only the copy target differs.
+``engine`` is either an ``EngineProcess`` (own process, shared-memory staging buffer) or any
+in-process engine exposing ``.model`` (moerl.rollout.hf.HFEngine): both go through the same plan,
+pack, checksum and receiver code; in both the sender packs straight into the engine's staging buffer.
 """
 from __future__ import annotations
 
@@ -17,30 +17,29 @@ from torch import nn
 from moerl.lora.sharding import Layout
 from moerl.refit.adapter_format import AdapterMap
 from moerl.refit.loaders import make_apply
-from moerl.refit.plan import PlanCache, Receiver, TransferPlan, dtype_name, pack_bucket
-from moerl.refit.weights import effective_state_dict
+from moerl.refit.pack import pack_bucket
+from moerl.refit.plan import PlanCache, TransferPlan, dtype_name
+from moerl.refit.receiver import Receiver
+from moerl.refit.weights import merged_sources
 
 # An fp8 rollout keeps LoRA tensors in bf16 over its FP8 base: they travel in bf16.
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 class LocalTransport:
-    """In-process engine: pack into one reusable buffer, verify and stage right away."""
+    """In-process engine: pack straight into the receiver's staging buffer, verify each bucket there."""
 
     def __init__(self, model: nn.Module, mode: str):
         self.receiver = Receiver(make_apply(model, mode))
-        self._buf = torch.empty(0, dtype=torch.uint8)
 
     def prepare(self, plan: TransferPlan) -> None:
-        if self._buf.numel() < plan.max_bucket_bytes:
-            self._buf = torch.empty(plan.max_bucket_bytes, dtype=torch.uint8)
         self.receiver.set_plan(plan)
 
     def buffer(self, index: int) -> torch.Tensor:
-        return self._buf
+        return self.receiver.region(index)
 
     def send(self, version: int, index: int, checksum: int) -> None:
-        self.receiver.stage(version, index, self._buf, checksum)
+        self.receiver.stage(version, index, None, checksum)
 
     def commit(self, version: int) -> int:
         return self.receiver.commit(version)
@@ -59,11 +58,12 @@ class Refitter:
         self._adapter_map = AdapterMap(policy) if mode == "adapter" else None
         self._tamper = None  # tests: callable(bucket_index, buffer) run after packing (fault injection)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What this refit sends: canonical adapter tensors, or merged full weights (plain names)."""
+    def tensors(self) -> dict:
+        """What this refit sends: canonical adapter tensors, or merged full weights (plain names; the
+        LoRA-adapted ones as lazy ``MergedWeight``s computed block by block while packing)."""
         if self.mode == "adapter":
             return self._adapter_map.state()
-        return effective_state_dict(self.policy)
+        return merged_sources(self.policy)
 
     def plan(self, tensors: dict[str, torch.Tensor]) -> TransferPlan:
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}

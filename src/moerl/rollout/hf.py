@@ -10,7 +10,7 @@ route.
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -25,6 +25,20 @@ from moerl.rollout.fp8 import quantize_model_fp8
 
 # fp8: weights rounded through e4m3 (per-channel scales), computed in bf16 (moerl.rollout.fp8).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    """Run the block on ``threads`` torch threads (None: leave them), then restore the count."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class HFEngine:
@@ -81,7 +95,7 @@ class HFEngine:
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
-        with capture as recorder, expert_lora_materialised(self.model):
+        with capture as recorder, expert_lora_materialised(self.model), torch_threads(cfg.threads):
             out = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,

@@ -155,6 +155,9 @@ class GRPOTrainer:
             # The engine gets the restored weights under the version they had when saved, so the
             # refit/version column continues exactly as in an uninterrupted run.
             self.refitter.version = state.get("refit_version", state["step"]) - 1
+            # The R3 agreement alarm's no-replay reference (measured every paired_replay_every steps)
+            # continues too: re-learning it would drop or change the alarm on the steps until the next one.
+            self.agreement_alarm.reference = state.get("agreement_reference")
             self.refitter.sync()
             log.info("resumed %s at step %d", self.run_dir, self.step_idx)
         self.tracker = Tracker(self.run_dir, cfg, resume_step)
@@ -373,7 +376,8 @@ class GRPOTrainer:
         (``checkpoints/step_N/adapter/{peft,vllm}``; their base model is the warm start)."""
         base = str(warm_start_dir(self.cfg)) if self.cfg.warm_start.enabled else ""
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
-                        {"sampler": self.sampler.state(), "refit_version": self.refitter.version},
+                        {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
+                         "agreement_reference": self.agreement_alarm.reference},
                         export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base))
         faults.hit("after_checkpoint")
 

@@ -110,7 +110,8 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 # A routing policy sees one MoE call and may replace its routing:
-#   policy(layer, native_index [tokens, k], logits [tokens, E]) -> new index [tokens, k] or None.
+#   policy(layer, native_index [tokens, k], logits [tokens, E]) -> new index [tokens, k] or None
+# (logits is None under intercept_routing(..., read_only=True)).
 RoutingPolicy = Callable[[MoELayer, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
@@ -132,12 +133,19 @@ def collapse_repeated(index: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 
 @contextmanager
-def intercept_routing(model: nn.Module, policy: RoutingPolicy) -> Iterator[list[MoELayer]]:
-    """Run ``policy`` on every MoE call inside the block; replaced indices get family-rule weights."""
+def intercept_routing(model: nn.Module, policy: RoutingPolicy, may_repeat: bool = True,
+                      read_only: bool = False) -> Iterator[list[MoELayer]]:
+    """Run ``policy`` on every MoE call inside the block; replaced indices get family-rule weights.
+
+    ``may_repeat=False`` promises that the policy only returns rows of distinct experts (rows of a
+    validated RoutingTrace, native top-k rows), so the search for repeated experts
+    (``collapse_repeated``) is skipped; with True (the default) every replaced row is searched.
+    ``read_only=True`` (routing capture): the policy only reads the native top-k and returns None, so
+    the router logits that reweighting needs are not kept (no hook on the gate; it gets None)."""
     layers = find_moe_layers(model)
     handles = []
     for layer in layers:
-        live: dict = {}
+        live: dict = {"logits": None}
 
         def keep_logits(module, args, output, live=live, layer=layer):
             live["logits"] = layer.family.logits_from_gate_output(output)
@@ -147,11 +155,16 @@ def intercept_routing(model: nn.Module, policy: RoutingPolicy) -> Iterator[list[
             new_index = policy(layer, index, live["logits"])
             if new_index is None:
                 return None
+            if read_only:
+                raise RuntimeError(f"layer {layer.layer_number}: a read-only routing policy returned experts")
             new_index = new_index.to(index.dtype)
             new_weights = layer.family.gate_weights(layer.block, live["logits"], new_index, weights.dtype)
-            return (hidden, new_index, collapse_repeated(new_index, new_weights)) + tuple(args[3:])
+            if may_repeat:
+                new_weights = collapse_repeated(new_index, new_weights)
+            return (hidden, new_index, new_weights) + tuple(args[3:])
 
-        handles.append(layer.block.gate.register_forward_hook(keep_logits))
+        if not read_only:
+            handles.append(layer.block.gate.register_forward_hook(keep_logits))
         handles.append(layer.block.experts.register_forward_pre_hook(route))
     try:
         yield layers

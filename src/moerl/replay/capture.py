@@ -23,7 +23,7 @@ class GenerationRecorder:
         self.calls: dict[int, list[torch.Tensor]] = {}  # layer -> per call [N, t_call, k]
         self.num_experts = self.top_k = 0
 
-    def policy(self, layer, native: torch.Tensor, logits: torch.Tensor):
+    def policy(self, layer, native: torch.Tensor, logits: torch.Tensor | None):
         if native.shape[0] % self.batch_size:
             raise TraceError(f"layer {layer.layer_number}: MoE call saw {native.shape[0]} tokens, not a multiple "
                              f"of the batch size {self.batch_size}")
@@ -63,5 +63,5 @@ class GenerationRecorder:
 def record_generation(model: nn.Module, batch_size: int) -> Iterator[GenerationRecorder]:
     """``with record_generation(model, N) as rec: out = model.generate(...)``; then ``rec.to_trace(mask)``."""
     recorder = GenerationRecorder(batch_size)
-    with intercept_routing(model, recorder.policy):
+    with intercept_routing(model, recorder.policy, read_only=True):
         yield recorder

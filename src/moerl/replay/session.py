@@ -55,6 +55,11 @@ class RoutingSession:
         self.layer_violations: dict[int, int] = {}
         self.recompute_mismatches = 0  # rows where a recompute received other experts than the first call
         self.layers: list[MoELayer] = []
+        # The replayed trace as the policy and the check read it, built once per session (see
+        # ``replay_columns``): all layers in int64, the valid mask, and per layer the views of them.
+        self._replay_long: torch.Tensor | None = None
+        self._replay_valid: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._replay_columns: dict[int, tuple[torch.Tensor, ...]] = {}
 
     # -- the routing policy (runs in the experts pre-hook) -----------------------------------------
     def policy(self, layer: MoELayer, native: torch.Tensor, logits: torch.Tensor):
@@ -78,11 +83,34 @@ class RoutingSession:
         if self.replay_trace is None:
             self.used[number] = self.native[number]
             return None
-        trace_idx, valid = self.replayed(number)
-        chosen = torch.where(valid.reshape(-1, 1).to(native.device), trace_idx.reshape(n * t, -1).to(native.device),
-                             native)
+        _, _, flat_idx, flat_valid = self.replay_columns(number, native.device)
+        chosen = torch.where(flat_valid, flat_idx, native)
         self.used[number] = chosen.detach().view(n, t, -1).clone()
         return chosen
+
+    def replay_columns(self, number: int, device) -> tuple[torch.Tensor, ...]:
+        """``replayed(number)`` on ``device`` as (indices [N, T, k], valid [N, T], indices [N*T, k],
+        valid [N*T, 1]), built on the layer's first call and kept: the check reads it again.
+
+        Under the layer-number mapping the whole trace is converted to int64 once, in one contiguous
+        pass, and each layer's indices are a view of it: converting layer by layer would read a strided
+        column per layer, several times slower per element."""
+        cols = self._replay_columns.get(number)
+        if cols is None:
+            n, t = self.batch_shape
+            trace = self.replay_trace
+            if self.layer_mapping == "layer_number":
+                if self._replay_long is None:
+                    self._replay_long = trace.indices.to(device=device, dtype=torch.long)
+                    valid = trace.valid.to(device)
+                    self._replay_valid = (valid, valid.reshape(n * t, 1))
+                idx = self._replay_long[:, :, trace.column(number)]  # = trace.layer(number)[0]
+                valid, flat_valid = self._replay_valid
+            else:
+                idx, valid = (x.to(device) for x in self.replayed(number))
+                flat_valid = valid.reshape(n * t, 1)
+            cols = self._replay_columns[number] = (idx, valid, idx.reshape(n * t, -1), flat_valid)
+        return cols
 
     def replayed(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [N, T, k], valid [N, T]) this session feeds to MoE layer ``number``.
@@ -113,13 +141,13 @@ class RoutingSession:
         self.received[number] = got.clone()
         if self.replay_trace is None:
             return
-        trace_idx, valid = self.replayed(number)
-        bad = count_violations(got, trace_idx.to(got.device), valid.to(got.device))
+        trace_idx, valid, _, _ = self.replay_columns(number, got.device)
+        bad = count_violations(got, trace_idx, valid)
         if bad:
             self.violations += bad
             self.layer_violations[number] = self.layer_violations.get(number, 0) + bad
             if self.strict:
-                mism = ((got != trace_idx.to(got.device)).any(-1) & valid.to(got.device)).nonzero()[0]
+                mism = ((got != trace_idx).any(-1) & valid).nonzero()[0]
                 s, tok = int(mism[0]), int(mism[1])
                 raise ReplayViolation(
                     f"layer {number}, sample {self.replay_trace.sample(s)}, token {tok}: "
@@ -155,7 +183,10 @@ def routing_session(model: nn.Module, input_shape: tuple[int, int], replay: Rout
     never use it for anything else.
     """
     session = RoutingSession(tuple(int(x) for x in input_shape), replay, strict, layer_mapping)
-    with intercept_routing(model, session.policy) as layers:
+    # Every row the session substitutes holds distinct experts (a RoutingTrace's valid rows are checked
+    # for repeats when it is built; other rows keep the native top-k), except under the position
+    # mapping, whose zero-filled dense-layer columns name expert 0 k times.
+    with intercept_routing(model, session.policy, may_repeat=layer_mapping == "position") as layers:
         session.layers = layers
         if replay is not None:
             first = layers[0]

@@ -41,12 +41,30 @@ class RoutingTrace:
         self.moe_layers = tuple(int(x) for x in self.moe_layers)
         self.validate()
 
+    @classmethod
+    def _derived(cls, indices: torch.Tensor, valid: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int,
+                 top_k: int, rows: torch.Tensor | None = None) -> "RoutingTrace":
+        """A trace made of rows and token positions of validated traces (a micro-batch slice, a
+        truncation, a concatenation): every valid row it holds had its expert ids checked when its
+        source was built, so only its shapes are checked again. Replay slices the step's trace for
+        every micro-batch of every pass; re-checking each expert id there is pure overhead."""
+        trace = cls.__new__(cls)
+        trace.indices, trace.valid, trace.moe_layers = indices, valid, tuple(moe_layers)
+        trace.num_experts, trace.top_k, trace.rows, trace.duplicate_rows = num_experts, top_k, rows, 0
+        trace.check_structure()
+        return trace
+
     def sample(self, i: int) -> int:
         """Batch-level index of row ``i``."""
         return int(i) if self.rows is None else int(self.rows[int(i)])
 
     # -- checks ---------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Shapes, dtype and layer list, then the expert ids of every valid row (range, no repeats)."""
+        self.check_structure()
+        self.check_expert_ids()
+
+    def check_structure(self) -> None:
         idx, valid = self.indices, self.valid
         if idx.dim() != 4:
             raise TraceError(f"routing indices must be [N, T, L_moe, k], got shape {tuple(idx.shape)}")
@@ -64,6 +82,9 @@ class RoutingTrace:
         if idx.dtype != index_dtype(self.num_experts):
             raise TraceError(f"indices dtype {idx.dtype}, expected {index_dtype(self.num_experts)} "
                              f"for {self.num_experts} experts")
+
+    def check_expert_ids(self) -> None:
+        idx, valid = self.indices, self.valid
         if valid.any():
             used = idx[valid].long()
             bad = (used < 0) | (used >= self.num_experts)
@@ -104,13 +125,13 @@ class RoutingTrace:
     def __getitem__(self, rows) -> "RoutingTrace":
         """Slice samples (a micro-batch): ``trace[idx]`` with a slice, list or index tensor."""
         batch_rows = torch.arange(self.indices.shape[0]) if self.rows is None else self.rows
-        return RoutingTrace(self.indices[rows], self.valid[rows], self.moe_layers, self.num_experts, self.top_k,
-                            batch_rows[rows])
+        return RoutingTrace._derived(self.indices[rows], self.valid[rows], self.moe_layers, self.num_experts,
+                                     self.top_k, batch_rows[rows])
 
     def truncate_tokens(self, length: int) -> "RoutingTrace":
         """First ``length`` token positions (the trainer forwards ``input_ids[:, :-1]``)."""
-        return RoutingTrace(self.indices[:, :length], self.valid[:, :length], self.moe_layers,
-                            self.num_experts, self.top_k, self.rows)
+        return RoutingTrace._derived(self.indices[:, :length], self.valid[:, :length], self.moe_layers,
+                                     self.num_experts, self.top_k, self.rows)
 
     @classmethod
     def cat(cls, traces: "list[RoutingTrace]") -> "RoutingTrace":
@@ -126,25 +147,28 @@ class RoutingTrace:
                 raise TraceError(f"trace {i} has {tr.indices.shape[1]} token positions, trace 0 has "
                                  f"{first.indices.shape[1]}")
         rows = torch.cat([t.rows for t in traces]) if all(t.rows is not None for t in traces) else None
-        return cls(torch.cat([t.indices for t in traces]), torch.cat([t.valid for t in traces]),
-                   first.moe_layers, first.num_experts, first.top_k, rows)
+        return cls._derived(torch.cat([t.indices for t in traces]), torch.cat([t.valid for t in traces]),
+                            first.moe_layers, first.num_experts, first.top_k, rows)
 
     def to(self, device) -> "RoutingTrace":
-        return RoutingTrace(self.indices.to(device), self.valid.to(device), self.moe_layers, self.num_experts,
-                            self.top_k, self.rows)
+        return RoutingTrace._derived(self.indices.to(device), self.valid.to(device), self.moe_layers,
+                                     self.num_experts, self.top_k, self.rows)
 
     def zero_invalid(self) -> "RoutingTrace":
         """Same routes with invalid rows set to expert 0 (their content is never used; packing drops it)."""
         idx = self.indices.masked_fill(~self.valid[:, :, None, None], 0)
-        return RoutingTrace(idx, self.valid, self.moe_layers, self.num_experts, self.top_k, self.rows)
+        return RoutingTrace._derived(idx, self.valid, self.moe_layers, self.num_experts, self.top_k, self.rows)
+
+    def column(self, layer_number: int) -> int:
+        """Which of the L_moe columns holds global layer ``layer_number``."""
+        try:
+            return self.moe_layers.index(layer_number)
+        except ValueError:
+            raise TraceError(f"layer {layer_number} is not an MoE layer of this trace {self.moe_layers}") from None
 
     def layer(self, layer_number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [N, T, k] as int64, valid [N, T]) for one global layer number."""
-        try:
-            col = self.moe_layers.index(layer_number)
-        except ValueError:
-            raise TraceError(f"layer {layer_number} is not an MoE layer of this trace {self.moe_layers}") from None
-        return self.indices[:, :, col].long(), self.valid
+        return self.indices[:, :, self.column(layer_number)].long(), self.valid
 
     @property
     def bytes_per_token(self) -> int:

@@ -100,6 +100,15 @@ def _chunks(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [rows[i: i + size] for i in range(0, len(rows), size)]
 
 
+def _micro_batch_trace(replay: RoutingTrace | None, batch: RolloutBatch, sub: RolloutBatch,
+                       rows: torch.Tensor) -> RoutingTrace | None:
+    """The rows of ``replay`` for the micro-batch ``sub = batch.select(rows)``. R3 replays the batch's
+    own trace, which ``select`` has already sliced: that slice is used rather than made again."""
+    if replay is None:
+        return None
+    return sub.routing if replay is batch.routing else replay[rows]
+
+
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
@@ -236,7 +245,7 @@ class GRPOTrainer:
         self.policy.eval()
         for rows in _chunks(torch.arange(n), self.cfg.trainer.micro_batch_size):
             sub = batch.select(rows)
-            with trainer_routing(self.policy, sub, None if replay is None else replay[rows],
+            with trainer_routing(self.policy, sub, _micro_batch_trace(replay, batch, sub, rows),
                                  strict=self.cfg.replay.strict, layer_mapping=self.cfg.replay.layer_mapping) as session:
                 logp, _ = forward_logprobs(self.policy, sub, self.cfg.rollout.temperature)
             logps.append(logp)
@@ -263,7 +272,7 @@ class GRPOTrainer:
                 finite = True
                 for rows in _chunks(mini, cfg.trainer.micro_batch_size):
                     sub = batch.select(rows)
-                    trace = None if replay is None else replay[rows]
+                    trace = _micro_batch_trace(replay, batch, sub, rows)
                     with trainer_routing(self.policy, sub, trace, strict=cfg.replay.strict,
                                          layer_mapping=cfg.replay.layer_mapping) as session:
                         logp, entropy = forward_logprobs(self.policy, sub, cfg.rollout.temperature,

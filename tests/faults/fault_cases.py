@@ -88,6 +88,9 @@ CASES = [
          "`... never acknowledged by the engine process` (the missing one, not the next)",
          "the engine's previous weights",
          "test_refit_faults.py::test_refit_bucket_faults_engine_process"),
+    Case("a refit bucket delivered after the sender gave up on it (engine process), between requests or in the "
+         "middle of the next refit", "nothing: its late acknowledgement is dropped, not taken for another reply",
+         "the next refit applies whole", "test_refit_faults.py::test_a_bucket_given_up_on_and_delivered_late_is_ignored"),
     # -- disk -------------------------------------------------------------------------------------
     Case("a full disk during a checkpoint (a 1 MiB tmpfs where the platform allows, else the writer "
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "

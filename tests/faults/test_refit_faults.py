@@ -116,3 +116,40 @@ def test_refit_bucket_faults_engine_process():
         engine.timeout = 3  # a dropped bucket is given up on after 3 s without an answer
         _faults(refitter, engine.effective_state_dict, wire, _bucket_bytes(refitter))
         engine.timeout = 60
+
+
+def test_a_bucket_given_up_on_and_delivered_late_is_ignored():
+    """A bucket that times out and then arrives (between other requests, or in the middle of the next
+    refit) must neither answer another request nor reset or corrupt the next refit."""
+    from moerl.refit.engine_process import EngineProcess
+
+    cfg, tok, policy = _setup()
+    with EngineProcess(cfg, policy, timeout=60) as engine:
+        refitter = make_refitter(cfg.refit, policy, engine, cfg.rollout.dtype)
+        refitter.sync()
+        before = engine.effective_state_dict()
+        real = engine._conn.send
+        held = []  # bucket 2 of the refit that fails, held back by the wire
+
+        def send(msg):
+            if msg[0] == "stage" and msg[2] == 2 and not held:
+                held.append(msg)
+                return None
+            real(msg)
+            if held and msg[0] == "stage" and msg[1] > held[0][1] and msg[2] == 0:
+                real(held[0])  # late again, now in the middle of the next refit
+            return None
+
+        engine._conn.send = send
+        engine.timeout = 3
+        _nudge(policy)
+        with pytest.raises(RefitError, match=r"bucket\(s\) \[2\]"):
+            refitter.sync()
+        engine.timeout = 60
+        real(held[0])  # arrives after the sender gave up: its acknowledgement answers no request
+        assert _same(engine.effective_state_dict(), before)
+        refitter.sync()
+        expected = {k: v.float() for k, v in effective_state_dict(refitter.policy).items()}
+        got = engine.effective_state_dict()
+        assert not _same(got, before)
+        assert all(torch.allclose(got[k], expected[k], atol=5e-2) for k in expected)

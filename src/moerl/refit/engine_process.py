@@ -71,11 +71,12 @@ def _worker(conn, cfg, mode: str, base: dict, adapter: dict | None, threads: int
         try:
             if op == "stage":
                 _, version, index, expected = msg
+                # The acknowledgement names version and bucket: the parent drops those of a refit it gave up on.
                 try:
                     receiver.stage(version, index, None, expected)  # checked where the trainer packed it
-                    conn.send(("ok", index))
+                    conn.send(("bucket", version, index, None))
                 except RefitError as err:
-                    conn.send(("refit_error", type(err).__name__, str(err), index))
+                    conn.send(("bucket", version, index, (type(err).__name__, str(err))))
                 continue
             if op == "plan":
                 _, plan, staging = msg
@@ -139,21 +140,28 @@ class EngineProcess:
         self._plan: TransferPlan | None = None
         self._pending: list[int] = []  # buckets sent, ack not yet read
         self._version = 0
-        self._errors: list[str] = []
+        self._errors: list[tuple[str, str]] = []  # (error class, message) of refused buckets
         self._recv("engine start-up")
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _recv(self, what: str):
-        if not self._conn.poll(self.timeout):
-            raise TimeoutError(f"engine process: no answer to {what} within {self.timeout:.0f} s")
-        try:
-            reply = self._conn.recv()
-        except EOFError:
-            self._proc.join(5)
-            raise RuntimeError(f"engine process died during {what} (exit code {self._proc.exitcode})") from None
-        if reply[0] == "error":
-            raise RuntimeError(f"engine process failed on {what}:\n{reply[1]}")
-        return reply
+    def _recv(self, what: str, bucket_ack: bool = False):
+        """The next reply; with ``bucket_ack``, the next acknowledgement of a pending bucket of the
+        current refit. Bucket acknowledgements nobody waits for (a refit given up on after a timeout,
+        whose buckets arrive late) are dropped, so they are never taken for another request's reply."""
+        while True:
+            if not self._conn.poll(self.timeout):
+                raise TimeoutError(f"engine process: no answer to {what} within {self.timeout:.0f} s")
+            try:
+                reply = self._conn.recv()
+            except EOFError:
+                self._proc.join(5)
+                raise RuntimeError(f"engine process died during {what} (exit code {self._proc.exitcode})") from None
+            if reply[0] == "error":
+                raise RuntimeError(f"engine process failed on {what}:\n{reply[1]}")
+            if reply[0] != "bucket":
+                return reply
+            if bucket_ack and reply[1] == self._version and reply[2] in self._pending:
+                return reply
 
     def _call(self, *msg):
         self._conn.send(msg)
@@ -203,13 +211,12 @@ class EngineProcess:
                              f"the previous weights") from None
 
     def _read_ack(self) -> None:
-        """One bucket's acknowledgement, matched by the bucket index it carries (not by arrival
-        order: a bucket lost on the way must not make the next one's ack look like its own)."""
-        reply = self._recv(f"bucket(s) {self._pending}")
-        index = reply[1] if reply[0] == "ok" else reply[3]
-        self._pending.remove(index) if index in self._pending else self._pending.pop(0)
-        if reply[0] == "refit_error":
-            self._errors.append((reply[1], reply[2]))
+        """One bucket's acknowledgement, matched by the version and bucket index it carries (not by
+        arrival order: a bucket lost on the way must not make the next one's ack look like its own)."""
+        _, _, index, error = self._recv(f"bucket(s) {self._pending}", bucket_ack=True)
+        self._pending.remove(index)
+        if error is not None:
+            self._errors.append(error)
 
     def commit(self, version: int) -> int:
         self._await(lambda: bool(self._pending), version)

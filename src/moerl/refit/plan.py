@@ -40,6 +40,10 @@ class CorruptBucketError(RefitError):
     """A bucket whose bytes do not match its checksum (names the bucket)."""
 
 
+class StaleBucketError(RefitError):
+    """A bucket of an older refit arriving after a newer one began (one given up on as lost): ignored."""
+
+
 @dataclass(frozen=True)
 class Slot:
     name: str

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from moerl.refit.checksum import StreamingChecksum, checksum
-from moerl.refit.plan import CorruptBucketError, RefitError, TransferPlan, bucket_region, slot_views
+from moerl.refit.plan import (CorruptBucketError, RefitError, StaleBucketError, TransferPlan, bucket_region,
+                              slot_views)
 
 _COPY_BLOCK = 512 * 1024  # bytes copied into staging before they are hashed (still in cache)
 
@@ -49,6 +50,7 @@ class Receiver:
         self.plan: TransferPlan | None = None
         self.staging: torch.Tensor | None = None
         self.staged: dict[str, torch.Tensor] = {}
+        self.newest: int | None = None  # the newest refit version a bucket arrived for
         self._reset(None)
 
     def _reset(self, version) -> None:
@@ -75,6 +77,11 @@ class Receiver:
         region (checked where it lies), or any other buffer (copied into the region, the copy checked)."""
         if self.plan is None:
             raise RefitError("refit: a bucket arrived before any transfer plan")
+        if self.newest is not None and version < self.newest:
+            # A bucket the sender gave up on (it timed out) delivered late: it must not reset or
+            # corrupt the refit now being staged.
+            raise StaleBucketError(f"refit {version}: bucket {index} arrived after refit {self.newest} began; ignored")
+        self.newest = version
         if version != self.version:
             self._reset(version)
         if self.error is not None:

@@ -1,7 +1,7 @@
 """Replay's shortcuts must replay exactly what the fully checked path replays.
 
-The shortcuts: a trace sliced or truncated per micro-batch keeps its source's expert-id check
-instead of repeating it; the session reads each layer's replayed columns once; rows that cannot
+The shortcuts: a trace concatenated, moved or with invalid rows zeroed keeps its source's expert-id
+check instead of repeating it (slices are checked again); the session reads each layer's replayed columns once; rows that cannot
 repeat an expert are not searched for repeats; R3 reuses the micro-batch slice ``select`` made. Any
 of them going wrong would change which experts a token is sent to, silently; so a GRPO step through
 the shortcuts is compared bit for bit with the same step through the checked path.

@@ -251,6 +251,8 @@ def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None
     cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
                   key=lambda c: int(c.rsplit("layer", 1)[1]))
     arms = [a for a in (arms or sorted(df["arm"].unique())) if a in set(df["arm"])]
+    shown = df[df["arm"].isin(arms)]
+    cols = [c for c in cols if shown[c].notna().any()]  # MoE layers no shown arm has (a shallower model)
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     width = 0.8 / max(len(arms), 1)
     for i, arm in enumerate(arms):
@@ -362,7 +364,10 @@ def quantiles_over_time(samples: pd.DataFrame, key: str = "raw_ratio",
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    low, high = ax.get_ylim()
+    # Minor ticks get labels only within about a decade; over more they would overlap.
+    minor = matplotlib.ticker.FormatStrFormatter("%.3g") if high / low <= 20 else matplotlib.ticker.NullFormatter()
+    ax.yaxis.set_minor_formatter(minor)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"{key}: median, p{qs[0] * 100:g}-p{qs[-1] * 100:g} band", fontsize=8)
     ax.set_title(title or f"{key} quantiles over training", fontsize=10)

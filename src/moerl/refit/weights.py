@@ -43,31 +43,41 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
-def effective_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Merged weights ``base + scale * B @ A`` under plain names, computed out of place (base untouched)."""
+def _base_and_lora_modules(model: nn.Module, caller: str):
+    """(plain-named base tensors, [(module name, module, weight key, active adapters, moerl expert
+    parametrization names)]): the walk ``effective_state_dict`` and ``merged_sources`` share."""
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict = {}
     for name, p in model.state_dict().items():  # parameters and persistent buffers
         if not is_lora_name(name):
             out[plain_name(name)] = p.detach()
+    modules = []
     for mname, module in model.named_modules():
+        key, adapters = None, []
         if isinstance(module, LoraLayer):
             adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if isinstance(module, ParamWrapper):
-                key = plain_name(f"{mname}.{module.parameter_name}")
-            else:
-                key = plain_name(f"{mname}.weight")
+            param = module.parameter_name if isinstance(module, ParamWrapper) else "weight"
+            key = plain_name(f"{mname}.{param}")
             if key not in out:
-                raise KeyError(f"effective_state_dict: LoRA module {mname} adapts '{key}', not a parameter")
-            for adapter in adapters:
-                out[key] = out[key] + module.get_delta_weight(adapter).to(out[key].dtype)
+                raise KeyError(f"{caller}: LoRA module {mname} adapts '{key}', not a parameter")
         plist = getattr(module, "parametrizations", None)
-        if plist is not None:
-            for pname in list(plist.keys()):
-                if any(isinstance(p, ExpertLoRADelta) for p in plist[pname]):
-                    out[plain_name(f"{mname}.{pname}")] = getattr(module, pname).detach()
+        expert = [n for n in (plist.keys() if plist is not None else ())
+                  if any(isinstance(p, ExpertLoRADelta) for p in plist[n])]
+        if key is not None or expert:
+            modules.append((mname, module, key, adapters, expert))
+    return out, modules
+
+
+@torch.no_grad()
+def effective_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Merged weights ``base + scale * B @ A`` under plain names, computed out of place (base untouched)."""
+    out, modules = _base_and_lora_modules(model, "effective_state_dict")
+    for mname, module, key, adapters, expert in modules:
+        for adapter in adapters:
+            out[key] = out[key] + module.get_delta_weight(adapter).to(out[key].dtype)
+        for pname in expert:
+            out[plain_name(f"{mname}.{pname}")] = getattr(module, pname).detach()
     if dtype is not None:
         out = {k: v.to(dtype) for k, v in out.items()}
     return out
@@ -144,44 +154,30 @@ def _expert_param_delta(p: ExpertLoRADelta):
 def merged_sources(model: nn.Module) -> dict:
     """``effective_state_dict(model)`` with each LoRA-adapted weight as a lazy ``MergedWeight``
     (plain tensors for the rest): same names, same values, no merged copies made up front."""
-    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+    from peft.tuners.lora.layer import ParamWrapper
 
-    out: dict = {}
-    for name, p in model.state_dict().items():
-        if not is_lora_name(name):
-            out[plain_name(name)] = p.detach()
-    for mname, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if isinstance(module, ParamWrapper):
-                key = plain_name(f"{mname}.{module.parameter_name}")
-            else:
-                key = plain_name(f"{mname}.weight")
-            if key not in out:
-                raise KeyError(f"merged_sources: LoRA module {mname} adapts '{key}', not a parameter")
-            for adapter in adapters:
-                src = out[key]
-                block = _peft_experts_delta(module, adapter) if isinstance(module, ParamWrapper) else None
-                if block is None:
-                    d = module.get_delta_weight(adapter).detach()
-                    if d.shape != src.shape:  # broadcasting delta: merge it here, as effective_state_dict
-                        out[key] = (src.materialize() if isinstance(src, MergedWeight) else src) + d.to(src.dtype)
-                        continue
-                    block = lambda lo, hi, d=d: (d[lo:hi], False)  # noqa: E731
-                if isinstance(src, MergedWeight):
-                    src.deltas.append(block)
-                else:
-                    out[key] = MergedWeight(src, [block])
-        plist = getattr(module, "parametrizations", None)
-        if plist is not None:
-            for pname in list(plist.keys()):
-                if not any(isinstance(p, ExpertLoRADelta) for p in plist[pname]):
+    out, modules = _base_and_lora_modules(model, "merged_sources")
+    for mname, module, key, adapters, expert in modules:
+        for adapter in adapters:
+            src = out[key]
+            block = _peft_experts_delta(module, adapter) if isinstance(module, ParamWrapper) else None
+            if block is None:
+                d = module.get_delta_weight(adapter).detach()
+                if d.shape != src.shape:  # broadcasting delta: merge it here, as effective_state_dict
+                    out[key] = (src.materialize() if isinstance(src, MergedWeight) else src) + d.to(src.dtype)
                     continue
-                key = plain_name(f"{mname}.{pname}")
-                if len(plist[pname]) == 1:
-                    out[key] = MergedWeight(plist[pname].original.detach(), [_expert_param_delta(plist[pname][0])])
-                else:  # a chain of parametrizations: evaluate it as the model does
-                    out[key] = getattr(module, pname).detach()
+                block = lambda lo, hi, d=d: (d[lo:hi], False)  # noqa: E731
+            if isinstance(src, MergedWeight):
+                src.deltas.append(block)
+            else:
+                out[key] = MergedWeight(src, [block])
+        plist = getattr(module, "parametrizations", None)
+        for pname in expert:
+            key = plain_name(f"{mname}.{pname}")
+            if len(plist[pname]) == 1:
+                out[key] = MergedWeight(plist[pname].original.detach(), [_expert_param_delta(plist[pname][0])])
+            else:  # a chain of parametrizations: evaluate it as the model does
+                out[key] = getattr(module, pname).detach()
     return out
 
 

@@ -586,7 +586,7 @@ def gain_figure(runs: pd.DataFrame, title: str, questions: list[Question] | None
         stats = gain.groupby(runs["arm"]).mean().reindex(arms)
         ax.barh(y, stats.values, color=[arm_color(a) for a in arms], height=0.7)
         pos = dict(zip(arms, y))
-        ax.scatter(gain.values, [pos[a] for a in runs["arm"]], color="k", s=6, zorder=3)
+        ax.scatter(gain.values, [pos[a] for a in runs["arm"]], color="k", edgecolors="white", linewidths=0.6, s=14, zorder=3)
         ax.axvline(0, color="k", lw=0.8)
         ax.set_xlabel(f"held-out {label}", fontsize=9)
         ax.grid(alpha=0.3, axis="x")

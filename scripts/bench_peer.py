@@ -50,7 +50,11 @@ What one timed unit does (one generation round = 256 completions):
 
 Schedule: ``--warmup`` untimed turns, then ``--rounds`` rounds; in each round every side does
 ``--per-round`` generation rounds in turn, the order reversed every other round (machine noise hits all
-sides alike). Each TRL trainer runs its train() in a worker thread that hands control back at a step
+sides alike). Threads: ``--threads 1`` (the default) gives the clean comparison. With more, each side's
+worker thread has its own OpenMP team, and with more team threads than cores libgomp cuts how long idle
+threads spin before sleeping: every side slowed 1.3-1.7x at ``--threads 2`` on a 2-core CPU (moerl's
+step 1.21 s against 0.70 s at one thread and 0.48 s in scripts/bench_step.py), the ratio did not move.
+Each TRL trainer runs its train() in a worker thread that hands control back at a step
 boundary after its turn (moerl's steps run in a worker thread too); only one side computes at any time. Prints medians, min-max, ``moerl / TRL`` per
 structure and whether the target is met; checks that every generation round produced N completions of
 at most max-new-tokens tokens, that TRL ran the old-logprob pass exactly when expected, and that both

@@ -13,6 +13,6 @@ if [ $# -eq 0 ]; then
   # Two processes share the cores: idle OpenMP threads must not spin.
   OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} exec .venv/bin/python scripts/sweep.py experiments/00_tiny_moe_cpu --seeds 3 --jobs 2
 fi
-# One run has the cores to itself: OpenMP's default wait (a short spin) is 1.8x faster than PASSIVE here.
+# One run has the cores to itself: OpenMP's default wait (a short spin) is 1.9x faster than PASSIVE here.
 arm=$1; shift
 exec .venv/bin/python scripts/run.py "experiments/00_tiny_moe_cpu/arms/$arm.yaml" "$@"

@@ -33,7 +33,7 @@ OPENMP_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCK
 
 def machine_info() -> dict:
     """CPU model, bf16-relevant ISA flags, torch build, thread counts and the OpenMP settings of this
-    process (``OMP_WAIT_POLICY=PASSIVE`` alone makes a 2-thread step about 1.8x slower on a small model)."""
+    process (``OMP_WAIT_POLICY=PASSIVE`` alone makes a 2-thread step about 1.9x slower on a small model)."""
     import torch
 
     model, flags = platform.processor() or "unknown", set()

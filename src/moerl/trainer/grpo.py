@@ -115,8 +115,9 @@ class GRPOTrainer:
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg)
-        torch.set_num_threads(resolved_threads(cfg))
-        warn_passive_openmp(resolved_threads(cfg))
+        threads = resolved_threads(cfg)
+        torch.set_num_threads(threads)
+        warn_passive_openmp(threads)
         torch.manual_seed(cfg.seed)
         self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
@@ -445,11 +446,11 @@ class GRPOTrainer:
 
 def warn_passive_openmp(threads: int) -> None:
     """A run on several threads under ``OMP_WAIT_POLICY=PASSIVE`` puts its OpenMP threads to sleep after
-    every op and wakes them for the next: on this repo's small models that made a 2-thread step 1.8x
+    every op and wakes them for the next: on this repo's small models that made a 2-thread step 1.9x
     slower (results/step/omp_wait_policy). PASSIVE only helps several multi-threaded processes share cores."""
     if threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         log.warning("OMP_WAIT_POLICY=PASSIVE with %d threads: OpenMP threads sleep between ops, which made a "
-                    "2-thread step 1.8x slower on a 2-core Xeon; unset it when this run has the cores to itself",
+                    "2-thread step 1.9x slower on a 2-core Xeon; unset it when this run has the cores to itself",
                     threads)
 
 

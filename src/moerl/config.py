@@ -121,6 +121,11 @@ class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
     # fp8: e4m3 weights with per-channel scales, computed in bf16 (an FP8 rollout, W8A16).
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
+    # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
+    # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
+    # output to bf16, as a GPU's fp32-accumulating kernels do. Part of the run's identity.
+    kernels: Literal["native", "emulated"] = "native"
     prompts_per_step: int = num(32, 1)
     group_size: int = num(8, 2, why="GRPO normalises within a group")
     max_new_tokens: int = num(8, 1)
@@ -306,8 +311,20 @@ def config_hash(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+# Keys added after runs were recorded, with the value those runs computed with: a recorded identity
+# that lacks one is read as having this value (so an old run still resumes, and is not taken for a
+# run of the new default).
+LEGACY_VALUES = {"rollout.kernels": "native"}
+
+
+def with_legacy_values(identity: dict) -> dict:
+    """``identity`` with every key of LEGACY_VALUES it lacks filled in."""
+    return {**{k: v for k, v in LEGACY_VALUES.items() if k not in identity}, **identity}
+
+
 def config_diff(a: dict, b: dict) -> list[str]:
     """``key: a -> b`` for every flattened key whose value differs between two identity dicts."""
+    a, b = with_legacy_values(a), with_legacy_values(b)
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
 
@@ -610,6 +627,8 @@ def validate(cfg: ExperimentConfig) -> None:
          "replay.mode=R3 needs rollout.capture_routing=true"),
         (r.engine != "vllm" or (cfg.refit.mode, cfg.refit.engine) == ("adapter", "inprocess"),
          "rollout.engine=vllm takes adapter refit into its own processes: refit.mode=adapter, refit.engine=inprocess"),
+        (r.engine != "vllm" or r.kernels == "native",
+         "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels"),
         (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
          "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
         (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),

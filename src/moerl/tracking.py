@@ -52,7 +52,9 @@ def machine_info() -> dict:
             "torch_cuda": torch.version.cuda, "mkldnn": torch.backends.mkldnn.is_available(),
             "torch_threads": torch.get_num_threads(), "usable_cores": usable_cores(),
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform(),
-            "openmp_env": {k: os.environ.get(k) for k in OPENMP_ENV}}
+            "openmp_env": {k: os.environ.get(k) for k in OPENMP_ENV},
+            # oneDNN's ISA cap: AVX2 makes an AMX CPU run the bf16 kernels an AVX2-only CPU has.
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
 
 
 class RunMismatchError(RuntimeError):
@@ -144,7 +146,8 @@ class Tracker:
         save_config(cfg, self.run_dir / "config.yaml")
         atomic_write_text(self.run_dir / "run.json", json.dumps(
             {"run": cfg.run_name, "config_hash": config_hash(cfg), "identity": identity_dict(cfg)}, indent=1) + "\n")
-        self.machine = machine_info()
+        # The rollout's kernels decide whether its bf16 numbers depend on this machine (native) or not.
+        self.machine = {**machine_info(), "rollout_dtype": cfg.rollout.dtype, "rollout_kernels": cfg.rollout.kernels}
         atomic_write_text(self.run_dir / "machine.json", json.dumps(self.machine, indent=2) + "\n")
         atomic_write_text(self.run_dir / "git_sha.txt", git_sha() + "\n")
         self._fh = open(self.metrics_path, "a")

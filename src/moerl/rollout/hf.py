@@ -22,6 +22,7 @@ from moerl.lora.peft_lora import expert_lora_materialised
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.fp8 import quantize_model_fp8
+from moerl.rollout.kernels import rollout_kernels
 
 # fp8: weights rounded through e4m3 (per-channel scales), computed in bf16 (moerl.rollout.fp8).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
@@ -49,6 +50,9 @@ class HFEngine:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.fp8_weights = quantize_model_fp8(self.model) if cfg.dtype == "fp8" else []
+        # native bf16 kernels, or fp32 kernels with bf16 rounding points (moerl.rollout.kernels); one
+        # context per engine, so emulation's fp32 weight copies last until the weights change.
+        self.kernels = rollout_kernels(cfg.kernels, self.dtype)
 
     # -- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -95,7 +99,8 @@ class HFEngine:
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
-        with capture as recorder, expert_lora_materialised(self.model), torch_threads(cfg.threads):
+        with self.kernels, capture as recorder, expert_lora_materialised(self.model), \
+                torch_threads(cfg.threads):
             out = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,

@@ -1,0 +1,131 @@
+"""Experiment 06: the geometry presets equal their published configs; the prediction helpers; a smoke run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moerl.models.geometry import GEOMETRIES, geometry_model_config, public_config, routing_structure
+from moerl.models.presets import build_model
+from moerl.models.routers import find_moe_layers
+
+# The routing structure the issue cites for each cluster model, restated by hand: the presets must equal
+# both this table and the shipped public config.json it was read from.
+CITED = {
+    "qwen3_30b_a3b": dict(layers=48, dense_layers=0, experts=128, top_k=8, shared_experts=0, groups=1, topk_group=1,
+                          scoring="softmax"),
+    "moonlight_16b_a3b": dict(layers=27, dense_layers=1, experts=64, top_k=6, shared_experts=2, groups=1,
+                              topk_group=1, scoring="sigmoid"),
+    "deepseek_v3": dict(layers=61, dense_layers=3, experts=256, top_k=8, shared_experts=1, groups=8, topk_group=4,
+                        scoring="sigmoid"),
+    "kimi_k2": dict(layers=61, dense_layers=1, experts=384, top_k=8, shared_experts=1, groups=1, topk_group=1,
+                    scoring="sigmoid"),
+}
+# A width small enough that the 61-layer, 384-expert geometry builds in about a second.
+TINY = dict(hidden_size=16, moe_intermediate_size=4, num_heads=1, num_kv_heads=1, head_dim=16)
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_structure_is_the_cited_one(name):
+    s = routing_structure(name)
+    assert {k: s[k] for k in CITED[name]} == CITED[name]
+    assert "Hugging Face" in s["source"]  # each file names the published config.json it restates
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_preset_builds_the_published_geometry(name, tokenizer):
+    cited, pub = CITED[name], public_config(name)
+    model = build_model(geometry_model_config(name, **TINY), tokenizer)
+    layers = find_moe_layers(model)
+    assert model.config.num_hidden_layers == cited["layers"] == pub["num_hidden_layers"]
+    assert [m.layer_number for m in layers] == list(range(cited["dense_layers"], cited["layers"]))
+    assert {m.num_experts for m in layers} == {cited["experts"]}
+    assert {m.top_k for m in layers} == {cited["top_k"]}
+    block = layers[0].block
+    if cited["scoring"] == "softmax":
+        assert model.config.norm_topk_prob is True and not hasattr(block, "shared_experts")
+        return
+    assert block.n_group == cited["groups"] and block.topk_group == cited["topk_group"]
+    assert block.shared_experts.intermediate_size == TINY["moe_intermediate_size"] * cited["shared_experts"]
+    assert block.routed_scaling_factor == pub["routed_scaling_factor"]
+    assert model.config.q_lora_rank is None if pub["q_lora_rank"] is None else model.config.q_lora_rank is not None
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])
+def test_sigmoid_scoring_with_correction_bias_and_groups(name, tokenizer):
+    """The correction bias steers selection only; DeepSeek-V3's experts come from <= topk_group groups."""
+    model = build_model(geometry_model_config(name, **TINY), tokenizer)
+    block = find_moe_layers(model)[0].block
+    torch.manual_seed(0)
+    hidden = torch.randn(64, TINY["hidden_size"])
+    logits = block.gate(hidden)
+    favoured = 5
+    block.gate.e_score_correction_bias[favoured] = 10.0
+    index, weights = block.route_tokens_to_experts(logits)
+    assert bool((index == favoured).any(-1).all())
+    expected = torch.sigmoid(logits).gather(1, index)
+    expected = expected / expected.sum(-1, keepdim=True) * block.routed_scaling_factor
+    torch.testing.assert_close(weights, expected)
+    groups = index // (block.n_routed_experts // block.n_group)
+    assert max(len(set(row.tolist())) for row in groups) <= block.topk_group
+
+
+def test_width_is_the_callers_choice_and_structure_is_not():
+    cfg = geometry_model_config("kimi_k2", hidden_size=128)
+    assert cfg.hidden_size == 128 and cfg.num_experts == 384
+    with pytest.raises(ValueError, match="routing structure"):
+        geometry_model_config("kimi_k2", num_experts=8)
+
+
+def test_independence_prediction():
+    from moerl.routing_geometry import independence_prediction
+
+    assert independence_prediction([0.0, 0.0]) == 0.0
+    assert independence_prediction([0.5, 0.5]) == pytest.approx(0.75)
+    assert independence_prediction([0.02] * 48) == pytest.approx(1 - 0.98 ** 48)
+
+
+def test_bootstrap_shares_counts_sequences():
+    from moerl.routing_geometry import bootstrap_shares
+
+    tokens = np.full(40, 10.0)
+    any_layer = np.r_[np.full(20, 10.0), np.zeros(20)]  # half the sequences flip everywhere
+    per_layer = np.stack([any_layer, np.zeros(40)], 1)
+    out = bootstrap_shares(tokens, any_layer, per_layer, resamples=500)
+    assert out["share"] == pytest.approx(0.5) and out["independence"] == pytest.approx(0.5)
+    assert out["share_lo"] < 0.5 < out["share_hi"] and out["share_hi"] - out["share_lo"] > 0.15
+
+
+def test_loglinear_fit_recovers_a_power_law():
+    from moerl.routing_geometry import fit_loglinear, predict_loglinear
+
+    x = np.array([8, 16, 32, 48.0])
+    fit = fit_loglinear(x, 0.01 * x ** 0.5)
+    assert fit["b"] == pytest.approx(0.5) and fit["s"] == pytest.approx(0, abs=1e-9)
+    mid, lo, hi = predict_loglinear(fit, 64)
+    assert mid == pytest.approx(0.08) and lo == pytest.approx(mid) and hi == pytest.approx(mid)
+
+
+def test_smoke_pipeline(tmp_path):
+    """Two tiny points through the runner: one JSON each, with the item-3 statistics; a rerun skips them."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import measure_geometry
+
+    assert measure_geometry.main(["--smoke", "--out", str(tmp_path)]) == 0
+    records = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(records) == {"smoke_qwen3", "smoke_kimi"}
+    kimi = records["smoke_kimi"]["results"]
+    assert set(kimi) == {"bf16", "fp8"}
+    r = kimi["bf16"]
+    for key in ("all/share", "all/share_lo", "all/share_hi", "all/independence", "native/k3", "r3/k3",
+                "native/extreme_gt2", "r3/extreme_gt2"):
+        assert np.isfinite(r[key]), key
+    assert [int(n) for n in r["p_layer"]] == [1, 2]  # global layer numbers: layer 0 is dense
+    assert r["replay_violations"] == 0
+    mtime = {p: p.stat().st_mtime for p in tmp_path.glob("*.json")}
+    assert measure_geometry.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("*.json")} == mtime

@@ -14,7 +14,8 @@ Qwen3-30B-A3B routing geometry at CPU width (48 MoE layers x 128 experts, top-8,
     experts  32 / 64 / 128 / 256 / 384 (top-8)
     topk     2 / 4 / 8
     width    hidden 64 / 128 / 256 (expert FFN hidden/2, heads of 32): the known confound
-    state    experiment 05's geometry (8 x 32, top-4): random init, its warm start, + a short GRPO run
+    state    experiment 05's geometry (8 x 32, top-4): random init, its warm start, + a short GRPO run;
+             the base geometry after a short SFT
     cluster  the four cluster models' routing geometries (moerl.models.geometry), bf16 and fp8 rollouts
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ from moerl.routing_geometry import measure
 
 BASE_CONFIG = "experiments/06_routing_geometry/base.yaml"
 GRPO_ARM = "experiments/05_mismatch_consequences/arms/baseline.yaml"
+# Warm starts of the big geometries (150 MB each at hidden 64) are cached here, not committed.
+WARM_CACHE = "results/geometry/warm_start"
 log = logging.getLogger("measure_geometry")
 
 
@@ -51,6 +54,8 @@ class Point:
     dtypes: tuple[str, ...] = ("bf16",)
     seed: int = 0
     note: str = ""
+    # state "warm": warm_start.* overrides of the base config (a shorter SFT for a big geometry)
+    warm_start: dict = dataclasses.field(default_factory=dict)
 
 
 def qwen3(layers=48, experts=128, top_k=8, hidden=64) -> ModelConfig:
@@ -76,7 +81,10 @@ def ladder_points() -> list[Point]:
             Point("state_exp05_warm", ("state",), exp05, state="warm", dtypes=("bf16", "fp8"),
                   note="experiment 05's cached warm start (600 SFT steps)"),
             Point("state_exp05_grpo30", ("state",), exp05, state="grpo30",
-                  note="the warm start after 30 steps of experiment 05's baseline GRPO (emulated bf16 rollout)")]
+                  note="the warm start after 30 steps of experiment 05's baseline GRPO (emulated bf16 rollout)"),
+            Point("state_qwen3_warm150", ("state",), geometry_model_config("qwen3_30b_a3b"), state="warm",
+                  warm_start={"steps": 150, "batch_size": 32, "cache_dir": WARM_CACHE},
+                  note="the Qwen3-30B-A3B geometry at h64 after a short SFT (150 steps x 32 samples)")]
     pts += [Point(f"cluster_{g}", ("cluster",), geometry_model_config(g), dtypes=("bf16", "fp8"))
             for g in ("moonlight_16b_a3b", "deepseek_v3", "kimi_k2")]
     return pts
@@ -91,9 +99,12 @@ def smoke_points() -> list[Point]:
 
 
 def spec(point: Point, prompts: int, cfg: ExperimentConfig) -> dict:
-    return {"name": point.name, "ladders": list(point.ladders), "model": to_dict(point.model), "state": point.state,
-            "dtypes": list(point.dtypes), "seed": point.seed, "prompts": prompts, "group_size": cfg.rollout.group_size,
-            "rollout": to_dict(cfg.rollout), "data": to_dict(cfg.data), "note": point.note}
+    out = {"name": point.name, "ladders": list(point.ladders), "model": to_dict(point.model), "state": point.state,
+           "dtypes": list(point.dtypes), "seed": point.seed, "prompts": prompts, "group_size": cfg.rollout.group_size,
+           "rollout": to_dict(cfg.rollout), "data": to_dict(cfg.data), "note": point.note}
+    if point.warm_start:
+        out["warm_start"] = point.warm_start
+    return out
 
 
 def spec_hash(s: dict) -> str:
@@ -106,7 +117,7 @@ def policy_for(point: Point, cfg: ExperimentConfig, tokenizer) -> tuple[torch.nn
         return build_model(point.model, tokenizer, seed=point.seed), {"state": "random", "init_std": point.model.init_std}
     from moerl.trainer.warm_start import load_warm_start
 
-    wcfg = dataclasses.replace(cfg, model=point.model)
+    wcfg = dataclasses.replace(cfg, model=point.model, warm_start=dataclasses.replace(cfg.warm_start, **point.warm_start))
     if point.state == "warm":
         model, _, meta = load_warm_start(wcfg, progress=False)
         return model, {"state": "warm", "warm_start": {k: meta.get(k) for k in ("key", "steps", "test_accuracy")}}

@@ -1,0 +1,258 @@
+"""Experiment 06's tables, fits, figures and RESULTS section, from the point JSONs in results/geometry.
+
+The extrapolation is a multiplicative one-factor-at-a-time model of the mean per-layer flip probability
+around the base point (Qwen3-30B-A3B routing at hidden 64, random init):
+
+    log p = log p_base + b_L log(L / 48) + b_E log(E / 128) + b_k log(k / 8) + b_H log(H / 64)
+
+each slope b fitted (least squares in log-log) on its own ladder, and the >= 1-layer share predicted from
+p by independence, 1 - (1 - p)^L. Its interval adds, in log p, each used slope's standard error times
+the distance from the base and the ladder's residual scatter, and the base's bootstrap interval. It
+is a stated model, not a law: the width slope comes from hidden 64-256 and is applied at 2048-7168.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from moerl.models.geometry import GEOMETRIES, public_config, routing_structure
+from moerl.routing_geometry import fit_loglinear
+
+PAPER_SHARE = 0.94  # R3 paper (arXiv 2510.11370), Qwen3-30B-A3B: ~94 % of tokens differ in >= 1 router
+BASE = {"L": 48, "E": 128, "k": 8, "H": 64}
+FACTORS = {"depth": "L", "experts": "E", "topk": "k", "width": "H"}
+LABELS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "moonlight_16b_a3b": "Moonlight-16B-A3B", "deepseek_v3": "DeepSeek-V3",
+          "kimi_k2": "Kimi-K2"}
+
+
+def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
+    """One row per (point, rollout dtype) with its factors and statistics."""
+    rows = []
+    for path in sorted(Path(root).glob("*.json")):
+        rec = json.loads(path.read_text())
+        s, m = rec["spec"], rec["spec"]["model"]
+        for dtype, r in rec["results"].items():
+            rows.append({
+                "point": s["name"], "ladders": tuple(s["ladders"]), "state": s["state"], "dtype": dtype,
+                "seed": s["seed"], "family": m["preset"], "L": len(r["moe_layers"]), "E": r["num_experts"],
+                "k": r["top_k"], "H": m["hidden_size"], "share": r["all/share"], "share_lo": r["all/share_lo"],
+                "share_hi": r["all/share_hi"], "independence": r["all/independence"],
+                "independence_lo": r["all/independence_lo"], "independence_hi": r["all/independence_hi"],
+                "p_mean": r["all/p_mean"], "p_lo": r["all/p_mean_lo"], "p_hi": r["all/p_mean_hi"],
+                "share_response": r["response/share"], "tokens": r["all/tokens"], "seqs": r["all/seqs"],
+                "k3": r["native/k3"], "k3_r3": r["r3/k3"], "F2": r["native/extreme_gt2"], "F2_r3": r["r3/extreme_gt2"],
+                "F1.5": r["native/extreme_gt1.5"], "F1.5_r3": r["r3/extreme_gt1.5"],
+                "k3_ratio": r.get("r3/k3_ratio"), "k3_ratio_lo": r.get("r3/k3_ratio_lo"),
+                "k3_ratio_hi": r.get("r3/k3_ratio_hi"), "p_layer": {int(k): v for k, v in r["p_layer"].items()},
+                "seconds": rec["seconds_total"], "policy": rec["policy"], "response_length": r["response_length_mean"]})
+    return pd.DataFrame(rows)
+
+
+def ladder(df: pd.DataFrame, name: str, dtype: str = "bf16") -> pd.DataFrame:
+    """The random-init bf16 points of one ladder, sorted by its factor (the base point included)."""
+    sel = df[(df.dtype == dtype) & (df.state == "random") & (df.seed == 0)
+             & df.ladders.apply(lambda ls: name in ls) & (df.family == "qwen3_moe")]
+    return sel.sort_values(FACTORS[name])
+
+
+def fits(df: pd.DataFrame) -> dict:
+    """Per ladder: the log-log fit of p_mean against its factor (needs >= 2 points)."""
+    out = {}
+    for name, col in FACTORS.items():
+        sel = ladder(df, name)
+        if len(sel) >= 2:
+            out[name] = fit_loglinear(sel[col].to_numpy(), sel["p_mean"].to_numpy())
+    return out
+
+
+def base_row(df: pd.DataFrame) -> pd.Series | None:
+    sel = df[(df.point == "qwen3_base_L48_E128_k8_h64") & (df.dtype == "bf16")]
+    return None if sel.empty else sel.iloc[0]
+
+
+def predict(df: pd.DataFrame, fitted: dict, L: int, E: int, k: int, H: int, z: float = 1.96) -> dict | None:
+    """Predicted p_mean and >= 1 share (independence) at a geometry, with an interval (see module docstring)."""
+    base = base_row(df)
+    if base is None:
+        return None
+    log_p = math.log(base.p_mean)
+    # the base's own bootstrap interval, as a standard error in log p
+    var = ((math.log(base.p_hi) - math.log(base.p_lo)) / (2 * z)) ** 2
+    missing = []
+    for name, col in FACTORS.items():
+        x = {"L": L, "E": E, "k": k, "H": H}[col]
+        if x == BASE[col]:
+            continue
+        if name not in fitted:
+            missing.append(name)
+            continue
+        f = fitted[name]
+        d = math.log(x) - math.log(BASE[col])
+        log_p += f["b"] * d
+        var += np.asarray(f["cov"])[1, 1] * d * d + f["s"] ** 2
+    sd = math.sqrt(var)
+    p, lo, hi = (min(math.exp(v), 1.0) for v in (log_p, log_p - z * sd, log_p + z * sd))
+
+    def share(q):
+        return 1.0 - (1.0 - q) ** L
+
+    return {"p": p, "p_lo": lo, "p_hi": hi, "share": share(p), "share_lo": share(lo), "share_hi": share(hi),
+            "missing": missing}
+
+
+def cluster_geometries() -> dict[str, dict]:
+    """Each cluster model's real routing geometry and width, from its public config."""
+    out = {}
+    for name in GEOMETRIES:
+        s = routing_structure(name)
+        out[name] = {"L": s["moe_layers"], "E": s["experts"], "k": s["top_k"], "H": public_config(name)["hidden_size"],
+                     "family": s["family"]}
+    return out
+
+
+def predictions(df: pd.DataFrame) -> pd.DataFrame:
+    """Per cluster model: measured at CPU width (random init), predicted at CPU width and at its real width."""
+    fitted = fits(df)
+    rows = []
+    for name, g in cluster_geometries().items():
+        point = "qwen3_base_L48_E128_k8_h64" if name == "qwen3_30b_a3b" else f"cluster_{name}"
+        meas = df[(df.point == point) & (df.dtype == "bf16")]
+        row = {"model": LABELS[name], "geometry": name, **g}
+        if not meas.empty:
+            m = meas.iloc[0]
+            row.update(measured_share=m.share, measured_lo=m.share_lo, measured_hi=m.share_hi, measured_p=m.p_mean)
+        for tag, H in (("cpu", 64), ("real", g["H"])):
+            pr = predict(df, fitted, g["L"], g["E"], g["k"], H)
+            if pr:
+                row.update({f"{tag}_{k}": v for k, v in pr.items() if k != "missing"})
+                row[f"{tag}_missing"] = ",".join(pr["missing"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# -- figures ----------------------------------------------------------------------------------------
+def figure_ladders(df: pd.DataFrame):
+    """>= 1-layer share (top) and mean per-layer flip probability (bottom) against each ladder's factor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fitted = fits(df)
+    preds = predictions(df)
+    fig, axes = plt.subplots(2, 4, figsize=(15, 7), sharey="row")
+    xlabel = {"depth": "MoE layers L", "experts": "routed experts E (top-8)", "topk": "top-k",
+              "width": "hidden size H (expert FFN H/2)"}
+    for j, (name, col) in enumerate(FACTORS.items()):
+        sel = ladder(df, name)
+        top, bot = axes[0, j], axes[1, j]
+        if not sel.empty:
+            x = sel[col].to_numpy()
+            top.errorbar(x, sel.share, yerr=[sel.share - sel.share_lo, sel.share_hi - sel.share], fmt="o", color="C0",
+                         capsize=3, label="measured (95 % CI, sequences)")
+            top.plot(x, sel.independence, "x", color="C1", label="independence 1 - prod(1 - p_l)")
+            bot.errorbar(x, sel.p_mean, yerr=[sel.p_mean - sel.p_lo, sel.p_hi - sel.p_mean], fmt="o", color="C0",
+                         capsize=3, label="mean p_l measured")
+        if name in fitted:
+            f = fitted[name]
+            lo_x = min(sel[col].min(), BASE[col]) if not sel.empty else BASE[col]
+            hi_x = max(sel[col].max(), BASE[col])
+            if name == "depth":
+                hi_x = max(hi_x, 61)
+            if name == "experts":
+                hi_x = max(hi_x, 384)
+            xs = np.geomspace(lo_x, hi_x, 50)
+            p = np.exp(f["a"] + f["b"] * np.log(xs))
+            L = xs if name == "depth" else BASE["L"]
+            bot.plot(xs, p, "-", color="C2", label=f"fit p ~ x^{f['b']:.2f}")
+            top.plot(xs, 1 - (1 - np.minimum(p, 1)) ** L, "-", color="C2", label="fit, by independence")
+        top.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper, Qwen3-30B-A3B: 94 %")
+        top.set_xscale("log")
+        bot.set_xscale("log")
+        bot.set_yscale("log")
+        bot.set_xlabel(xlabel[name])
+        top.set_title(f"{name} ladder (others at 48 x 128, top-8, h64)", fontsize=9)
+        for ax in (top, bot):
+            ax.set_xticks(sorted(set(sel[col].tolist())) if not sel.empty else [BASE[col]])
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.grid(alpha=0.3)
+    # the cluster geometries, measured at hidden 64, on the depth panel (x = their MoE layers)
+    ax = axes[0, 0]
+    for _, r in preds.iterrows():
+        if "measured_share" in r and r.measured_share == r.measured_share:
+            ax.plot(r.L, r.measured_share, "s", color="C3", ms=6)
+            ax.annotate(f"{r.model}\n(E={r.E}, k={r.k})", (r.L, r.measured_share), fontsize=7, xytext=(4, -22),
+                        textcoords="offset points", color="C3")
+    ax.plot([], [], "s", color="C3", label="cluster geometries at h64 (measured)")
+    axes[0, 0].set_ylabel("share of tokens with >= 1 re-routed MoE layer")
+    axes[1, 0].set_ylabel("mean per-layer flip probability p_l")
+    axes[0, 0].set_ylim(0, 1.05)
+    h1, l1 = axes[0, 0].get_legend_handles_labels()
+    h2, l2 = axes[1, 0].get_legend_handles_labels()
+    fig.legend(h1 + h2[:1], l1 + l2[:1], loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle("Routing mismatch vs routing geometry: bf16 rollout (emulated kernels) vs fp32 trainer, "
+                 "random-init Qwen3-MoE at CPU width", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    return fig
+
+
+def figure_state_cluster(df: pd.DataFrame):
+    """Router state at one geometry; the cluster geometries measured and predicted; p_l along the stack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    states = df[df.ladders.apply(lambda ls: "state" in ls)].copy()
+    if not states.empty:
+        states["label"] = states.point.str.replace("state_", "") + " " + states.dtype
+        ax.barh(states.label, states.share, xerr=[states.share - states.share_lo, states.share_hi - states.share],
+                color=["C0" if d == "bf16" else "C4" for d in states.dtype], capsize=3)
+        for i, (_, r) in enumerate(states.iterrows()):
+            ax.text(min(r.share_hi + 0.02, 0.8), i, f"p={r.p_mean:.4f}  k3={r.k3:.1e}", va="center", fontsize=7)
+    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
+    ax.set_xlim(0, 1.05)
+    ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
+    ax.set_title("router state (experiment 05's 8 x 32, top-4, h64)", fontsize=9)
+
+    ax = axes[1]
+    preds = predictions(df)
+    y = np.arange(len(preds))
+    for offset, tag, color, label in ((-0.2, "measured", "C3", "measured at h64 (random init)"),
+                                      (0.0, "cpu", "C2", "fit, at h64"), (0.2, "real", "C1", "fit, at the real width")):
+        col = "measured_share" if tag == "measured" else f"{tag}_share"
+        lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo"
+        hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi"
+        if col not in preds:
+            continue
+        ax.errorbar(preds[col], y + offset, xerr=[preds[col] - preds[lo], preds[hi] - preds[col]], fmt="o",
+                    color=color, capsize=3, label=label)
+    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 %")
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"{r.model}\n{r.L}x{r.E} top-{r.k}, H={r.H}" for _, r in preds.iterrows()], fontsize=8)
+    ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
+    ax.set_title("cluster geometries", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+
+    ax = axes[2]
+    for _, r in ladder(df, "depth").iterrows():
+        layers = sorted(r.p_layer)
+        ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], ".-", label=f"L={r.L}")
+    for _, r in df[(df.point.str.startswith("cluster_")) & (df.dtype == "bf16")].iterrows():
+        layers = sorted(r.p_layer)
+        ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "-", lw=0.8, alpha=0.7,
+                label=r.point.replace("cluster_", ""))
+    ax.set_xlabel("MoE layer (1 = first MoE layer)")
+    ax.set_ylabel("flip probability p_l")
+    ax.set_title("p_l along the stack (random init, bf16)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,14 +1,17 @@
 """Experiment 06's tables, fits, figures and RESULTS section, from the point JSONs in results/geometry.
 
-The extrapolation is a multiplicative one-factor-at-a-time model of the mean per-layer flip probability
-around the base point (Qwen3-30B-A3B routing at hidden 64, random init):
+The extrapolation is a multiplicative one-factor-at-a-time model of the mean per-layer flip probability,
+moving from a measured anchor point (L0, E0, k0, H0):
 
-    log p = log p_base + b_L log(L / 48) + b_E log(E / 128) + b_k log(k / 8) + b_H log(H / 64)
+    log p = log p_anchor + b_L log(L / L0) + b_E log(E / E0) + b_k log(k / k0) + b_H log(H / H0)
 
-each slope b fitted (least squares in log-log) on its own ladder, and the >= 1-layer share predicted from
-p by independence, 1 - (1 - p)^L. Its interval adds, in log p, each used slope's standard error times
-the distance from the base and the ladder's residual scatter, and the base's bootstrap interval. It
-is a stated model, not a law: the width slope comes from hidden 64-256 and is applied at 2048-7168.
+each slope b fitted (least squares in log-log) on its own ladder of random-init Qwen3-MoE models around
+the base (Qwen3-30B-A3B routing at hidden 64), and the >= 1-layer share predicted from p by
+independence, 1 - (1 - p)^L. Two anchors: the base itself (random init), and experiment 05's geometry
+with trained routers (which assumes the random-init slopes hold for trained routers). The interval adds,
+in log p, each used slope's standard error times the distance moved and the ladder's residual scatter,
+and the anchor's bootstrap interval. It is a stated model, not a law: the width slope comes from
+hidden 64-256 and is applied at 2048-7168.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
         s, m = rec["spec"], rec["spec"]["model"]
         for dtype, r in rec["results"].items():
             rows.append({
-                "point": s["name"], "ladders": tuple(s["ladders"]), "state": s["state"], "dtype": dtype,
+                "point": s["name"], "ladders": tuple(s["ladders"]), "state": s["state"], "rollout": dtype,
                 "seed": s["seed"], "family": m["preset"], "L": len(r["moe_layers"]), "E": r["num_experts"],
                 "k": r["top_k"], "H": m["hidden_size"], "share": r["all/share"], "share_lo": r["all/share_lo"],
                 "share_hi": r["all/share_hi"], "independence": r["all/independence"],
@@ -54,7 +57,7 @@ def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
 
 def ladder(df: pd.DataFrame, name: str, dtype: str = "bf16") -> pd.DataFrame:
     """The random-init bf16 points of one ladder, sorted by its factor (the base point included)."""
-    sel = df[(df.dtype == dtype) & (df.state == "random") & (df.seed == 0)
+    sel = df[(df.rollout == dtype) & (df.state == "random") & (df.seed == 0)
              & df.ladders.apply(lambda ls: name in ls) & (df.family == "qwen3_moe")]
     return sel.sort_values(FACTORS[name])
 
@@ -69,29 +72,40 @@ def fits(df: pd.DataFrame) -> dict:
     return out
 
 
-def base_row(df: pd.DataFrame) -> pd.Series | None:
-    sel = df[(df.point == "qwen3_base_L48_E128_k8_h64") & (df.dtype == "bf16")]
+def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | None:
+    sel = df[(df.point == point) & (df.rollout == dtype)]
     return None if sel.empty else sel.iloc[0]
 
 
-def predict(df: pd.DataFrame, fitted: dict, L: int, E: int, k: int, H: int, z: float = 1.96) -> dict | None:
-    """Predicted p_mean and >= 1 share (independence) at a geometry, with an interval (see module docstring)."""
-    base = base_row(df)
-    if base is None:
-        return None
-    log_p = math.log(base.p_mean)
-    # the base's own bootstrap interval, as a standard error in log p
-    var = ((math.log(base.p_hi) - math.log(base.p_lo)) / (2 * z)) ** 2
+# The anchors a prediction starts from: the base geometry at random init, and experiment 05's geometry
+# with trained routers (its warm start after a short GRPO run; the warm start alone when that is missing).
+ANCHORS = {"random": ("qwen3_base_L48_E128_k8_h64",), "trained": ("state_exp05_grpo30", "state_exp05_warm")}
+
+
+def anchor_row(df: pd.DataFrame, anchor: str) -> pd.Series | None:
+    for point in ANCHORS[anchor]:
+        row = point_row(df, point)
+        if row is not None:
+            return row
+    return None
+
+
+def predict(anchor: pd.Series, fitted: dict, L: int, E: int, k: int, H: int, z: float = 1.96) -> dict:
+    """Predicted p_mean and >= 1 share (independence) at a geometry, moving from the measured ``anchor``
+    point along each fitted slope, with an interval (see the module docstring)."""
+    log_p = math.log(anchor.p_mean)
+    # the anchor's own bootstrap interval, as a standard error in log p
+    var = ((math.log(anchor.p_hi) - math.log(anchor.p_lo)) / (2 * z)) ** 2
     missing = []
     for name, col in FACTORS.items():
-        x = {"L": L, "E": E, "k": k, "H": H}[col]
-        if x == BASE[col]:
+        x, x0 = {"L": L, "E": E, "k": k, "H": H}[col], int(anchor[col])
+        if x == x0:
             continue
         if name not in fitted:
             missing.append(name)
             continue
         f = fitted[name]
-        d = math.log(x) - math.log(BASE[col])
+        d = math.log(x) - math.log(x0)
         log_p += f["b"] * d
         var += np.asarray(f["cov"])[1, 1] * d * d + f["s"] ** 2
     sd = math.sqrt(var)
@@ -115,21 +129,25 @@ def cluster_geometries() -> dict[str, dict]:
 
 
 def predictions(df: pd.DataFrame) -> pd.DataFrame:
-    """Per cluster model: measured at CPU width (random init), predicted at CPU width and at its real width."""
+    """Per cluster model: measured at CPU width (random init); predicted from each anchor at CPU width
+    (``<anchor>_cpu_*``) and at the model's real width (``<anchor>_real_*``)."""
     fitted = fits(df)
     rows = []
     for name, g in cluster_geometries().items():
         point = "qwen3_base_L48_E128_k8_h64" if name == "qwen3_30b_a3b" else f"cluster_{name}"
-        meas = df[(df.point == point) & (df.dtype == "bf16")]
         row = {"model": LABELS[name], "geometry": name, **g}
-        if not meas.empty:
-            m = meas.iloc[0]
+        m = point_row(df, point)
+        if m is not None:
             row.update(measured_share=m.share, measured_lo=m.share_lo, measured_hi=m.share_hi, measured_p=m.p_mean)
-        for tag, H in (("cpu", 64), ("real", g["H"])):
-            pr = predict(df, fitted, g["L"], g["E"], g["k"], H)
-            if pr:
-                row.update({f"{tag}_{k}": v for k, v in pr.items() if k != "missing"})
-                row[f"{tag}_missing"] = ",".join(pr["missing"])
+        for anchor in ANCHORS:
+            a = anchor_row(df, anchor)
+            if a is None:
+                continue
+            row[f"{anchor}_anchor"] = a.point
+            for tag, H in (("cpu", 64), ("real", g["H"])):
+                pr = predict(a, fitted, g["L"], g["E"], g["k"], H)
+                row.update({f"{anchor}_{tag}_{k}": v for k, v in pr.items() if k != "missing"})
+                row[f"{anchor}_{tag}_missing"] = ",".join(pr["missing"])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -137,9 +155,7 @@ def predictions(df: pd.DataFrame) -> pd.DataFrame:
 # -- figures ----------------------------------------------------------------------------------------
 def figure_ladders(df: pd.DataFrame):
     """>= 1-layer share (top) and mean per-layer flip probability (bottom) against each ladder's factor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
 
     fitted = fits(df)
@@ -204,17 +220,15 @@ def figure_ladders(df: pd.DataFrame):
 def figure_state_cluster(df: pd.DataFrame):
     """Router state at one geometry; the cluster geometries measured and predicted; p_l along the stack."""
     import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
     states = df[df.ladders.apply(lambda ls: "state" in ls)].copy()
     if not states.empty:
-        states["label"] = states.point.str.replace("state_", "") + " " + states.dtype
+        states["label"] = states.point.str.replace("state_", "") + " " + states.rollout
         ax.barh(states.label, states.share, xerr=[states.share - states.share_lo, states.share_hi - states.share],
-                color=["C0" if d == "bf16" else "C4" for d in states.dtype], capsize=3)
+                color=["C0" if d == "bf16" else "C4" for d in states.rollout], capsize=3)
         for i, (_, r) in enumerate(states.iterrows()):
             ax.text(min(r.share_hi + 0.02, 0.8), i, f"p={r.p_mean:.4f}  k3={r.k3:.1e}", va="center", fontsize=7)
     ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
@@ -225,8 +239,10 @@ def figure_state_cluster(df: pd.DataFrame):
     ax = axes[1]
     preds = predictions(df)
     y = np.arange(len(preds))
-    for offset, tag, color, label in ((-0.2, "measured", "C3", "measured at h64 (random init)"),
-                                      (0.0, "cpu", "C2", "fit, at h64"), (0.2, "real", "C1", "fit, at the real width")):
+    for offset, tag, color, label in ((-0.3, "measured", "C3", "measured at h64 (random init)"),
+                                      (-0.1, "random_cpu", "C2", "fit from random init, at h64"),
+                                      (0.1, "random_real", "C1", "fit from random init, at the real width"),
+                                      (0.3, "trained_real", "C0", "fit from trained exp-05 routers, at the real width")):
         col = "measured_share" if tag == "measured" else f"{tag}_share"
         lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo"
         hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi"
@@ -245,7 +261,7 @@ def figure_state_cluster(df: pd.DataFrame):
     for _, r in ladder(df, "depth").iterrows():
         layers = sorted(r.p_layer)
         ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], ".-", label=f"L={r.L}")
-    for _, r in df[(df.point.str.startswith("cluster_")) & (df.dtype == "bf16")].iterrows():
+    for _, r in df[(df.point.str.startswith("cluster_")) & (df.rollout == "bf16")].iterrows():
         layers = sorted(r.p_layer)
         ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "-", lw=0.8, alpha=0.7,
                 label=r.point.replace("cluster_", ""))

@@ -222,7 +222,7 @@ def figure_state_cluster(df: pd.DataFrame):
     import matplotlib
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.4))
     ax = axes[0]
     states = df[df.ladders.apply(lambda ls: "state" in ls)].copy()
     if not states.empty:
@@ -234,7 +234,7 @@ def figure_state_cluster(df: pd.DataFrame):
     ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
     ax.set_xlim(0, 1.05)
     ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
-    ax.set_title("router state (experiment 05's 8 x 32, top-4, h64)", fontsize=9)
+    ax.set_title("router state (exp05 = experiment 05's 8 x 32, top-4; qwen3 = 48 x 128, top-8; h64)", fontsize=9)
 
     ax = axes[1]
     preds = predictions(df)
@@ -255,7 +255,7 @@ def figure_state_cluster(df: pd.DataFrame):
     ax.set_yticklabels([f"{r.model}\n{r.L}x{r.E} top-{r.k}, H={r.H}" for _, r in preds.iterrows()], fontsize=8)
     ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
     ax.set_title("cluster geometries", fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=2)
 
     ax = axes[2]
     for _, r in ladder(df, "depth").iterrows():

@@ -111,8 +111,9 @@ def test_loglinear_fit_recovers_a_power_law():
 def test_smoke_pipeline(tmp_path):
     """Two tiny points through the runner: one JSON each, with the item-3 statistics; a rerun skips them."""
     import sys
+    from pathlib import Path
 
-    sys.path.insert(0, "scripts")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import measure_geometry
 
     assert measure_geometry.main(["--smoke", "--out", str(tmp_path)]) == 0

@@ -20,7 +20,6 @@ at random init it is zero, as every other weight here is untrained.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -93,7 +92,3 @@ def geometry_model_config(name: str, **width) -> ModelConfig:
                        first_k_dense=s["dense_layers"], n_shared_experts=s["shared_experts"],
                        n_group=s["groups"], topk_group=s["topk_group"], overrides=overrides, **fields)
 
-
-def model_config_dict(cfg: ModelConfig) -> dict:
-    """``cfg`` as a plain dict (for point records and YAML overrides)."""
-    return dataclasses.asdict(cfg)

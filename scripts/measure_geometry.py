@@ -84,7 +84,10 @@ def ladder_points() -> list[Point]:
                   note="the warm start after 30 steps of experiment 05's baseline GRPO (emulated bf16 rollout)"),
             Point("state_qwen3_warm150", ("state",), geometry_model_config("qwen3_30b_a3b"), state="warm",
                   warm_start={"steps": 150, "batch_size": 32, "cache_dir": WARM_CACHE},
-                  note="the Qwen3-30B-A3B geometry at h64 after a short SFT (150 steps x 32 samples)")]
+                  note="the Qwen3-30B-A3B geometry at h64 after a short SFT (150 steps x 32 samples)"),
+            Point("state_qwen3_warm400", ("state",), geometry_model_config("qwen3_30b_a3b"), state="warm",
+                  warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
+                  note="the Qwen3-30B-A3B geometry at h64 after a longer SFT (400 steps x 32 samples)")]
     pts += [Point(f"cluster_{g}", ("cluster",), geometry_model_config(g), dtypes=("bf16", "fp8"))
             for g in ("moonlight_16b_a3b", "deepseek_v3", "kimi_k2")]
     return pts

@@ -7,8 +7,9 @@ moving from a measured anchor point (L0, E0, k0, H0):
 
 each slope b fitted (least squares in log-log) on its own ladder of random-init Qwen3-MoE models around
 the base (Qwen3-30B-A3B routing at hidden 64), and the >= 1-layer share predicted from p by
-independence, 1 - (1 - p)^L. Two anchors: the base itself (random init), and experiment 05's geometry
-with trained routers (which assumes the random-init slopes hold for trained routers). The interval adds,
+independence, 1 - (1 - p)^L. Three anchors: the base itself (random init); experiment 05's geometry with
+trained routers; the base geometry after a short SFT (the last two assume the random-init slopes hold
+for trained routers). The interval adds,
 in log p, each used slope's standard error times the distance moved and the ladder's residual scatter,
 and the anchor's bootstrap interval. It is a stated model, not a law: the width slope comes from
 hidden 64-256 and is applied at 2048-7168.
@@ -77,9 +78,11 @@ def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | 
     return None if sel.empty else sel.iloc[0]
 
 
-# The anchors a prediction starts from: the base geometry at random init, and experiment 05's geometry
-# with trained routers (its warm start after a short GRPO run; the warm start alone when that is missing).
-ANCHORS = {"random": ("qwen3_base_L48_E128_k8_h64",), "trained": ("state_exp05_grpo30", "state_exp05_warm")}
+# The anchors a prediction starts from (the first point of each tuple that was measured): the base
+# geometry at random init; experiment 05's geometry with trained routers (its warm start after a short
+# GRPO run); the base geometry after a short SFT (the longest one measured).
+ANCHORS = {"random": ("qwen3_base_L48_E128_k8_h64",), "trained": ("state_exp05_grpo30", "state_exp05_warm"),
+           "sft": ("state_qwen3_warm400", "state_qwen3_warm150")}
 
 
 def anchor_row(df: pd.DataFrame, anchor: str) -> pd.Series | None:
@@ -179,12 +182,16 @@ def figure_ladders(df: pd.DataFrame):
             hi_x = max(sel[col].max(), BASE[col])
             if name == "depth":
                 hi_x = max(hi_x, 61)
+                top.set_xlim(6.5, 75)
+                bot.set_xlim(6.5, 75)
             if name == "experts":
                 hi_x = max(hi_x, 384)
             xs = np.geomspace(lo_x, hi_x, 50)
             p = np.exp(f["a"] + f["b"] * np.log(xs))
             L = xs if name == "depth" else BASE["L"]
-            bot.plot(xs, p, "-", color="C2", label=f"fit p ~ x^{f['b']:.2f}")
+            bot.plot(xs, p, "-", color="C2", label="fit p ~ x^b (log-log)")
+            bot.text(0.05, 0.9, f"b = {f['b']:+.3f} ± {math.sqrt(f['cov'][1][1]):.1g}", transform=bot.transAxes,
+                     fontsize=8, color="C2")
             top.plot(xs, 1 - (1 - np.minimum(p, 1)) ** L, "-", color="C2", label="fit, by independence")
         top.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper, Qwen3-30B-A3B: 94 %")
         top.set_xscale("log")
@@ -199,12 +206,24 @@ def figure_ladders(df: pd.DataFrame):
             ax.grid(alpha=0.3)
     # the cluster geometries, measured at hidden 64, on the depth panel (x = their MoE layers)
     ax = axes[0, 0]
+    legend_lines = []
     for _, r in preds.iterrows():
         if "measured_share" in r and r.measured_share == r.measured_share:
-            ax.plot(r.L, r.measured_share, "s", color="C3", ms=6)
-            ax.annotate(f"{r.model}\n(E={r.E}, k={r.k})", (r.L, r.measured_share), fontsize=7, xytext=(4, -22),
-                        textcoords="offset points", color="C3")
+            tag = r.model[0]  # Q, M, D, K
+            ax.plot(r.L, r.measured_share, "s", color="C3", ms=5)
+            ax.annotate(tag, (r.L, r.measured_share), fontsize=7, color="C3", xytext=(3, -10),
+                        textcoords="offset points")
+            legend_lines.append(f"{tag}: {r.model} ({r.L} MoE x {r.E}, top-{r.k}) {100 * r.measured_share:.1f} %")
+    ax.text(0.97, 0.04, "\n".join(legend_lines), transform=ax.transAxes, fontsize=6.5, color="C3", ha="right",
+            va="bottom")
     ax.plot([], [], "s", color="C3", label="cluster geometries at h64 (measured)")
+    for point in ANCHORS["sft"]:
+        r = point_row(df, point)
+        if r is not None:
+            ax.plot(r.L, r.share, "D", color="C5", ms=6)
+            ax.annotate(point.replace("state_", ""), (r.L, r.share), fontsize=6.5, xytext=(6, -3),
+                        textcoords="offset points", color="C5")
+    ax.plot([], [], "D", color="C5", label="base geometry after a short SFT (measured)")
     axes[0, 0].set_ylabel("share of tokens with >= 1 re-routed MoE layer")
     axes[1, 0].set_ylabel("mean per-layer flip probability p_l")
     axes[0, 0].set_ylim(0, 1.05)
@@ -230,7 +249,9 @@ def figure_state_cluster(df: pd.DataFrame):
         ax.barh(states.label, states.share, xerr=[states.share - states.share_lo, states.share_hi - states.share],
                 color=["C0" if d == "bf16" else "C4" for d in states.rollout], capsize=3)
         for i, (_, r) in enumerate(states.iterrows()):
-            ax.text(min(r.share_hi + 0.02, 0.8), i, f"p={r.p_mean:.4f}  k3={r.k3:.1e}", va="center", fontsize=7)
+            inside = r.share_hi > 0.6  # no room right of a long bar: write inside it
+            ax.text(0.02 if inside else r.share_hi + 0.02, i, f"mean p_l={r.p_mean:.4f}  k3={r.k3:.1e}", va="center",
+                    fontsize=7, color="white" if inside else "black")
     ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
     ax.set_xlim(0, 1.05)
     ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
@@ -240,9 +261,10 @@ def figure_state_cluster(df: pd.DataFrame):
     preds = predictions(df)
     y = np.arange(len(preds))
     for offset, tag, color, label in ((-0.3, "measured", "C3", "measured at h64 (random init)"),
-                                      (-0.1, "random_cpu", "C2", "fit from random init, at h64"),
-                                      (0.1, "random_real", "C1", "fit from random init, at the real width"),
-                                      (0.3, "trained_real", "C0", "fit from trained exp-05 routers, at the real width")):
+                                      (-0.15, "random_cpu", "C2", "fit from random init, at h64"),
+                                      (0.0, "random_real", "C1", "fit from random init, at the real width"),
+                                      (0.15, "trained_real", "C0", "fit from trained exp-05 routers, at the real width"),
+                                      (0.3, "sft_real", "C5", "fit from the SFT'd base, at the real width")):
         col = "measured_share" if tag == "measured" else f"{tag}_share"
         lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo"
         hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi"
@@ -265,9 +287,15 @@ def figure_state_cluster(df: pd.DataFrame):
         layers = sorted(r.p_layer)
         ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "-", lw=0.8, alpha=0.7,
                 label=r.point.replace("cluster_", ""))
+    for point in ANCHORS["sft"]:
+        r = point_row(df, point)
+        if r is not None:
+            layers = sorted(r.p_layer)
+            ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "k--", lw=1,
+                    label=point.replace("state_", "") + " (SFT)")
     ax.set_xlabel("MoE layer (1 = first MoE layer)")
     ax.set_ylabel("flip probability p_l")
-    ax.set_title("p_l along the stack (random init, bf16)", fontsize=9)
+    ax.set_title("p_l along the stack (bf16; random init unless marked SFT)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()

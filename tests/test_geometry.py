@@ -130,3 +130,20 @@ def test_smoke_pipeline(tmp_path):
     mtime = {p: p.stat().st_mtime for p in tmp_path.glob("*.json")}
     assert measure_geometry.main(["--smoke", "--out", str(tmp_path)]) == 0
     assert {p: p.stat().st_mtime for p in tmp_path.glob("*.json")} == mtime
+
+
+def test_prediction_moves_the_anchor_along_the_fitted_slopes():
+    """p at a new geometry = p_anchor * prod (x / x_anchor)^b; the share follows by independence."""
+    import pandas as pd
+
+    from moerl.geometry_report import predict
+    from moerl.routing_geometry import fit_loglinear
+
+    anchor = pd.Series({"p_mean": 0.02, "p_lo": 0.019, "p_hi": 0.021, "L": 8, "E": 32, "k": 4, "H": 64})
+    depth = fit_loglinear([8, 16, 32], [0.02, 0.02 * 2 ** 0.5, 0.04])
+    topk = fit_loglinear([2, 4, 8], [0.01, 0.02, 0.04])
+    out = predict(anchor, {"depth": depth, "topk": topk}, L=32, E=32, k=8, H=64)
+    assert out["p"] == pytest.approx(0.02 * 4 ** 0.5 * 2)
+    assert out["share"] == pytest.approx(1 - (1 - out["p"]) ** 32)
+    assert out["p_lo"] < out["p"] < out["p_hi"] and out["missing"] == []
+    assert predict(anchor, {}, L=8, E=64, k=4, H=64)["missing"] == ["experts"]

@@ -119,8 +119,9 @@ class RolloutConfig:
     """The rollout engine: its own copy of the policy, in its own precision."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    # fp8: e4m3 weights with per-channel scales, computed in bf16 (an FP8 rollout, W8A16).
-    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    # Quantised rollouts (moerl.rollout.precision), weights rounded through their format, computed in
+    # bf16: fp8 (e4m3, per-channel), int8 (per-channel, FlashRL), nvfp4 (e2m1, 16-blocks), int4 (group 128).
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "int4"] = "bf16"
     # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
     # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
     # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
@@ -631,9 +632,9 @@ def validate(cfg: ExperimentConfig) -> None:
          "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels"),
         (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
          "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
-        (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),
-         "rollout.dtype=fp8 needs refit.mode=adapter (the engine rounds its base through e4m3 once; a merged "
-         "refit would overwrite it with unrounded weights)"),
+        (not (r.dtype in ("fp8", "int8", "nvfp4", "int4") and cfg.refit.mode == "merged"),
+         f"rollout.dtype={r.dtype} needs refit.mode=adapter (the engine quantises its base once; a merged "
+         "refit would overwrite it with unquantised weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]

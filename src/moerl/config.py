@@ -231,6 +231,10 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     eval_every: int = num(10, 0, why="0 evaluates only at the start and the end")
     eval_size: int = num(512, 1)
+    # Who measures held-out accuracy: ``rollout`` (the arm's own engine, in the arm's precision) or
+    # ``fp32`` (the trained policy itself, in fp32, the same evaluator for every arm): comparing arms
+    # of different rollout precisions by their own engines mixes the evaluator's precision into the gap.
+    eval_precision: Literal["rollout", "fp32"] = "rollout"
     checkpoint_every: int = num(10, 0, why="0 checkpoints only at the end")
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = num(10, 0, why="0 saves no token samples")
@@ -315,7 +319,7 @@ def config_hash(cfg: ExperimentConfig) -> str:
 # Keys added after runs were recorded, with the value those runs computed with: a recorded identity
 # that lacks one is read as having this value (so an old run still resumes, and is not taken for a
 # run of the new default).
-LEGACY_VALUES = {"rollout.kernels": "native"}
+LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout"}
 
 
 def with_legacy_values(identity: dict) -> dict:

@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import os
@@ -361,7 +363,14 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        acc = evaluate_policy(self.engine, self.test_rows, seed=self.cfg.data.seed)
+        """Held-out pass@1 and greedy accuracy, by the rollout engine or by an fp32 copy of the policy
+        (``trainer.eval_precision``)."""
+        engine = self.engine
+        if self.cfg.trainer.eval_precision == "fp32":
+            rollout = dataclasses.replace(self.cfg.rollout, engine="hf", dtype="fp32", kernels="native",
+                                          capture_routing=False)
+            engine = HFEngine(self.policy, self.tokenizer, rollout, self.cfg.data.task)
+        acc = evaluate_policy(engine, self.test_rows, seed=self.cfg.data.seed)
         return {f"eval/{k}": v for k, v in acc.items()}
 
     def save_token_samples(self, old_logp, batch: RolloutBatch, mask) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from moerl import claims
+from moerl import claims, verdicts
 from moerl.plots import load_questions
 from moerl.results import (MissingRunError, family_references, find_runs, load_metrics, load_sweep, mean_std,
                            run_table, seed_stats)
@@ -141,7 +141,12 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
         lines += ["", "### The claims, answered from these runs", "",
                   "Computed by `moerl.claims` from the runs below (collapse by `moerl.collapse`; \"early\" / "
                   f"\"late\" = the first / last {claims.WINDOW} steps; ratios pair runs by seed and give the median "
-                  "with the range over seeds). The verdict follows the rule in the last column.", "",
+                  "with the range over seeds). The verdict follows the rule in the last column. *Not tested* and "
+                  "*inconclusive* follow the shared rules of `moerl.verdicts`: not tested when the mitigation acts "
+                  f"on fewer than {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed or no arm drifts or collapses "
+                  "beyond its fp32 control; inconclusive when the seeds straddle the rule's threshold. These two "
+                  "gates were added after the runs below had been read (four verdicts had read as answers where "
+                  "the regime could not test the claim); the yes / no thresholds are unchanged.", "",
                   claims.claims_markdown(answered), "",
                   "Collapse step of each run (— : no collapse within the run):", "", claims.collapse_markdown(metrics)]
     lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished), except "

@@ -160,11 +160,11 @@ def claim_collapse(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
                     f"offset of their evaluators {_fmt_diffs(_paired_diffs(initial, arm, control))}, pass@1 gain "
                     f"{_fmt_diffs(_paired_diffs(gain, arm, control))}")
         beyond.append(_count(c, arm)[0] > _count(c, control)[0] or verdicts.beyond_control(gain[arm], gain[control]))
-    controls = sorted(set(UNCORRECTED_CONTROLS.values()) & set(gain))
-    control_loss = [v for ctl in controls for v in gain[ctl].values()]
+    controls = [ctl for ctl in dict.fromkeys(UNCORRECTED_CONTROLS.values()) if ctl in gain]
+    own = [f"{ctl} {_fmt_diffs(list(gain[ctl].values()))}" for ctl in controls]
     repo = ("collapsed: " + ", ".join(_count_str(c, a) for a in uncorrected + aligned)
             + ("; " + "; ".join(gaps) if gaps else "")
-            + (f"; the fp32 controls' own pass@1 gain {_fmt_diffs(control_loss)}" if control_loss else ""))
+            + (f"; the fp32 controls' own pass@1 gain: {', '.join(own)}" if own else ""))
     bad = [_count(c, a) for a in uncorrected]
     good = [_count(c, a) for a in aligned]
     if not sum(n for _, n in bad):

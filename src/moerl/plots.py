@@ -938,7 +938,7 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
         hist_arms = _question_arms(questions, ("mitigations",)) or None
         paths.append(save(ratio_histograms(samples, "raw_ratio", f"{experiment}: pi_old / pi_rollout and "
                                            "what each correction acts on", arms=hist_arms, losses=losses,
-                                           caption=_mis_caption(losses)),
+                                           caption=mis_caption(losses)),
                           out_dir / f"{experiment}_is_hist.png"))
         focus = _question_arms(questions, ("replay",)) or None
         # Per-token ratio for every arm (raw_ratio of a sequence-level MIS arm is its sequence's ratio).
@@ -952,7 +952,7 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
     return paths
 
 
-def _mis_caption(losses: dict[str, dict] | None) -> str:
+def mis_caption(losses: dict[str, dict] | None) -> str:
     """Why an MIS band reads as it does: it bounds a sequence ratio, whose spread depends on the level."""
     from moerl.results import is_level
 

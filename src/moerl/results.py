@@ -212,11 +212,12 @@ def load_arm_configs(root: str | Path, experiment: str) -> dict[str, dict]:
     return out
 
 
-def per_arm_table(frame: pd.DataFrame, keys: list[str], fmt: str = "{:.4f}") -> pd.DataFrame:
-    """Mean over steps of each run, then 'mean ± std' over seeds: one row per arm, one column per key
-    (keys not recorded are left out)."""
+def per_arm_table(frame: pd.DataFrame, keys: list[str], fmt: str = "{:.4f}", stat: str = "mean") -> pd.DataFrame:
+    """``stat`` (mean or median) over the steps of each run, then 'mean ± std' over seeds: one row per
+    arm, one column per key (keys not recorded are left out). Use the median for a heavy-tailed
+    per-step quantity such as k3."""
     keys = [k for k in keys if k in frame]
-    per_run = frame.groupby(["arm", "seed"])[keys].mean().reset_index()
+    per_run = getattr(frame.groupby(["arm", "seed"])[keys], stat)().reset_index()
     stats = seed_stats(per_run, keys)
     return pd.DataFrame({k: [mean_std(stats.loc[a, (k, "mean")], stats.loc[a, (k, "std")], int(stats.loc[a, (k, "n")]), fmt)
                              for a in stats.index] for k in keys}, index=stats.index)

@@ -217,7 +217,7 @@ class GRPOTrainer:
         self.step_idx += 1
         metrics = {"step": self.step_idx,
                    "reward/mean": float(batch.rewards.mean()),
-                   "reward/group_solved_frac": float(_group_solved(batch)),
+                   "reward/mixed_group_frac": float(_mixed_groups(batch)),
                    "response/length_mean": float(batch.response_lengths.float().mean()),
                    "lr": self.optimizer.param_groups[0]["lr"],
                    **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
@@ -473,7 +473,7 @@ def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
-def _group_solved(batch: RolloutBatch) -> float:
+def _mixed_groups(batch: RolloutBatch) -> float:
     """Fraction of groups with mixed rewards (the only groups that carry a GRPO signal)."""
     mixed = [float(batch.rewards[batch.group == g].std() > 0) for g in batch.group.unique()]
     return sum(mixed) / len(mixed)

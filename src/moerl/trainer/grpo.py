@@ -34,6 +34,7 @@ from moerl.replay.trace import RoutingTrace
 from moerl.reward import batch_rewards
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.hf import HFEngine
+from moerl.runlock import lock_run, unlock_run
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
@@ -113,13 +114,14 @@ def _micro_batch_trace(replay: RoutingTrace | None, batch: RolloutBatch, sub: Ro
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
+        lock_run(self.run_dir)  # one writer per run directory (scripts/run.py takes it earlier)
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg)
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
         torch.manual_seed(cfg.seed)
-        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
@@ -420,6 +422,7 @@ class GRPOTrainer:
         self.tracker.close()
         if hasattr(self.engine, "close"):
             self.engine.close()
+        unlock_run(self.run_dir)
 
     def summarise(self) -> dict:
         from moerl.tracking import read_metrics

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ExperimentConfig, resolved_threads
+from moerl.config import ExperimentConfig, config_hash, resolved_threads
 from moerl.data import DataError, load_splits
 from moerl.lora.export import export_adapter
 from moerl.lora.peft_lora import apply_lora
@@ -38,7 +38,8 @@ from moerl.runlock import lock_run, unlock_run
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
-from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, resumable_checkpoint, save_checkpoint
+from moerl.trainer.checkpoint import (checkpoint_dirs, load_checkpoint, remove_incomplete, resumable_checkpoint,
+                                     save_checkpoint)
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
@@ -118,6 +119,7 @@ class GRPOTrainer:
         lock_run(self.run_dir)  # one writer per run directory (scripts/run.py takes it earlier)
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg)
+            remove_incomplete(self.run_dir)  # a kill mid-prune of the last checkpoint leaves a .deleting
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
@@ -383,7 +385,8 @@ class GRPOTrainer:
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
-                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base))
+                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
+                        config_hash=config_hash(self.cfg))
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:

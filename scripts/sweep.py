@@ -204,6 +204,9 @@ class Children:
         except (OSError, AttributeError):  # not Linux: SIGTERM/SIGINT still end the runs
             self._prctl = None
 
+    def __reduce__(self):  # a Ray worker that runs ``execute`` gets a registry of its own
+        return Children, ()
+
     def _die_with_parent(self, parent: int):
         """Runs in the child between fork and exec: SIGKILL when the sweep dies (even by SIGKILL);
         a sweep already gone by then ends the child at once."""

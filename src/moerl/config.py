@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -463,6 +464,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                continue  # the base loader refuses unhashable keys with its own message
             if key in seen:
                 raise ConfigError(f"key '{key}' appears twice (lines {seen[key] + 1} and "
                                   f"{key_node.start_mark.line + 1}); keep one")
@@ -585,8 +588,6 @@ _SECTIONS = "|".join(k for k, hint in get_type_hints(ExperimentConfig).items() i
 
 def _blamed_layer(message: str, layers: list[tuple[str, dict]], main: str) -> str:
     """The last layer (file or override) that sets a key a cross-field check names, else ``main``."""
-    import re
-
     keys = re.findall(rf"\b(?:{_SECTIONS})\.[a-z_0-9]+", message)
     sources = [src for src, data in layers if any(_has_key(data, k) for k in keys)]
     return sources[-1] if sources else main

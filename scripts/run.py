@@ -5,10 +5,11 @@
 
 The run directory is <tracking.output_dir>/<experiment>/<arm>[+<overrides>]/seed<k> (default
 output: runs/, which git ignores; the recorded ablation in results/runs is never written to unless
-asked for). One process at a time writes a run directory (a lock file beside it,
-``.seed<k>.lock``, released when the process ends). Overrides that change what the run computes are part of its name, so they never land
+asked for). Overrides that change what the run computes are part of its name, so they never land
 in another run's directory. An existing run is never overwritten: continue it with --resume (only
-with the config it was started with), or move it aside with --fresh (renamed, not deleted).
+with the config it was started with), or move it aside with --fresh (renamed, not deleted). One
+process at a time writes a run directory: a second run or resume of a live one is refused, naming
+the live process (a lock on ``.seed<k>.lock`` beside the run, released when its process ends).
 
 Errors are one line naming the file, key or run and what to do; --debug shows the traceback.
 """

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ExperimentConfig, resolved_threads
+from moerl.config import ExperimentConfig, config_hash, resolved_threads
 from moerl.data import DataError, load_splits
 from moerl.lora.export import export_adapter
 from moerl.lora.peft_lora import apply_lora
@@ -36,10 +36,12 @@ from moerl.replay.trace import RoutingTrace
 from moerl.reward import batch_rewards
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.hf import HFEngine
+from moerl.runlock import lock_run, unlock_run
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
-from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, resumable_checkpoint, save_checkpoint
+from moerl.trainer.checkpoint import (checkpoint_dirs, load_checkpoint, remove_incomplete, resumable_checkpoint,
+                                     save_checkpoint)
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
@@ -115,13 +117,15 @@ def _micro_batch_trace(replay: RoutingTrace | None, batch: RolloutBatch, sub: Ro
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
+        lock_run(self.run_dir)  # one writer per run directory (scripts/run.py takes it earlier)
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg)
+            remove_incomplete(self.run_dir)  # a kill mid-prune of the last checkpoint leaves a .deleting
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
         torch.manual_seed(cfg.seed)
-        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
@@ -390,7 +394,8 @@ class GRPOTrainer:
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
-                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base))
+                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
+                        config_hash=config_hash(self.cfg))
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:
@@ -429,6 +434,7 @@ class GRPOTrainer:
         self.tracker.close()
         if hasattr(self.engine, "close"):
             self.engine.close()
+        unlock_run(self.run_dir)
 
     def summarise(self) -> dict:
         from moerl.tracking import read_metrics

@@ -113,28 +113,84 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
     )
 
 
-def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
+def experiment_lora_rank(exp: Experiment) -> int | None:
+    """The LoRA rank the experiment's own files set (None: the experiment is not a LoRA one). The
+    files' overrides come first in ``exp.overrides``, before launcher and command-line ones."""
+    key = "actor_rollout_ref.model.lora.rank"
+    if key not in exp.origin:
+        return None
+    for o in exp.overrides:
+        k, _, v = o.partition("=")
+        if k.lstrip("+") == key:
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _guarded(checks: list[Check], name: str, fn) -> None:
+    """Run one group of moerl's checks; an exception inside it is that check's failure, so every
+    other rule still runs and is reported."""
+    try:
+        fn()
+    except Exception as err:  # a crash on odd input must not hide the other rules' verdicts
+        checks.append(Check(name, False, f"could not be evaluated on this config ({type(err).__name__}: {err}); "
+                                         f"see the other failed rules"))
+
+
+def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
     """Every constraint on a composed config: the upstream rules of ``constraints`` (Megatron-Core,
-    vLLM, verl, LoRA targets) plus moerl's own (R3/R2 flags, replay layer mapping, losses, the
-    capacity plan). Returns the checks and the capacity plan."""
+    vLLM, verl, LoRA targets, Megatron-Bridge) plus moerl's own (R3/R2 flags, replay layer mapping,
+    losses, the capacity plan). Every rule runs even when another fails or crashes. Returns the
+    checks and the capacity plan (None when the layout cannot be planned)."""
     moerl = exp.moerl
     if "model" not in moerl:
         raise ExperimentError(f"{exp.files[-1]}: moerl.model is required (a public config name, "
                               f"e.g. kimi_k2)")
     mcfg = planner.load_public_config(moerl["model"])
-    lay = layout_from_cfg(cfg, moerl)
-    p = planner.plan(mcfg, lay)
-    ver, src = vllm_version_for_run()
-    spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver)
-    checks = [Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec)]
+    checks: list[Check] = []
+    state: dict = {"plan": None}
 
     def check(name, ok, detail):
         checks.append(Check(name, bool(ok), detail))
 
-    check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
-          f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
+    def capacity():
+        state["plan"] = planner.plan(mcfg, layout_from_cfg(cfg, moerl))
 
-    # Router replay
+    _guarded(checks, "memory.fits", capacity)
+    p = state["plan"]
+
+    def upstream():
+        ver, _ = vllm_version_for_run()
+        spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver,
+                                          lora_experiment_rank=experiment_lora_rank(exp))
+        checks.extend(Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec))
+
+    _guarded(checks, "constraints", upstream)
+
+    def basics():
+        check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
+              f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
+        check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
+              f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
+        check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
+              "GRPO needs rollout.n > 1 samples per prompt")
+
+    _guarded(checks, "basics", basics)
+    _guarded(checks, "replay", lambda: _replay_checks(cfg, mcfg, check))
+    _guarded(checks, "loss", lambda: _loss_checks(cfg, check))
+    _guarded(checks, "verl.ref_settings_need_a_reference_model", lambda: _ref_check(cfg, exp, check))
+
+    if p is not None:
+        check("memory.fits", not p.problems, "; ".join(p.problems) or
+              f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {float(moerl.get('gpu_mem_gib', 80)):.0f} GiB")
+    return checks, p
+
+
+def _replay_checks(cfg, mcfg, check) -> None:
+    """Router replay: R3 needs both flags and a rollout that returns routes; R2/R3 rows must reach
+    the right router (dense-first-layer models)."""
     mode = str(select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode"))
     flag = bool(select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay"))
     if mode == "R3" or flag:
@@ -161,7 +217,9 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
         check("r2.no_rollout_flag", not flag, "R2 records in the trainer; rollout.enable_rollout_routing_replay "
               "must stay False")
 
-    # rollout correction and loss
+
+def _loss_checks(cfg, check) -> None:
+    """Rollout correction needs rollout logprobs; a moerl loss must reach the Ray workers."""
     rc = select(cfg, "algorithm.rollout_correction") or {}
     if rc.get("rollout_is") or rc.get("rollout_rs") or rc.get("bypass_mode"):
         check("rollout_correction.logprobs", bool(select(cfg, "actor_rollout_ref.rollout.calculate_log_probs")),
@@ -176,15 +234,23 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
               f"{sorted(env_vars)}); fix: declare the loss as moerl.loss in the experiment so the launcher "
               f"applies moerl.verl_ext.losses.verl_overrides (source: verl 0.9.1: verl/__init__.py imports "
               f"VERL_USE_EXTERNAL_MODULES; verl/trainer/main_ppo.py passes ray_init.runtime_env to ray.init)")
-    check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
-          f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
-    check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
-          "GRPO needs rollout.n > 1 samples per prompt")
 
-    # capacity
-    check("memory.fits", not p.problems, "; ".join(p.problems) or
-          f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {lay.gpu_mem_gib:.0f} GiB")
-    return checks, p
+
+def _ref_check(cfg, exp: Experiment, check) -> None:
+    """Settings for a reference model verl never builds are dead config that reads as if a KL
+    anchor existed (verl 0.9.1: verl/trainer/ppo/utils.py need_reference_policy is use_kl_in_reward
+    or actor.use_kl_loss)."""
+    from verl.trainer.ppo.utils import need_reference_policy
+
+    ref_keys = sorted(k for k in exp.origin if k.startswith("actor_rollout_ref.ref."))
+    if not ref_keys:
+        return
+    need = need_reference_policy(cfg)
+    check("verl.ref_settings_need_a_reference_model", need,
+          f"{exp.origin[ref_keys[0]]} sets {ref_keys} but verl builds no reference model (algorithm.use_kl_in_reward"
+          f" and actor.use_kl_loss are off; verl 0.9.1 verl/trainer/ppo/utils.py need_reference_policy); fix: drop "
+          f"the actor_rollout_ref.ref settings or turn on a KL term" if not need else
+          f"reference model in use; {ref_keys} apply")
 
 
 def verl_maps_replay_by_layer_number() -> tuple[bool, str]:
@@ -224,7 +290,7 @@ def verl_validate(cfg) -> Check:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Disabled critic as adv_estimator != gae" is expected
             validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    except (AssertionError, ValueError, TypeError, planner.PlanError) as err:
+    except Exception as err:  # verl raises assert/ValueError/TypeError; anything else is its failure too
         return Check("verl.validate_config", False, f"{type(err).__name__}: {err}")
     finally:
         if shim is not None:
@@ -280,7 +346,7 @@ def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = ()
     checks, p = validate(cfg, exp)
     checks.append(verl_validate(cfg))
     failed = [c for c in checks if not c.ok]
-    if failed:
+    if failed or p is None:
         lines = "\n".join(f"  [{c.name}] {c.detail}" for c in failed)
         raise ConstraintError(f"{exp.name} ({exp.files[-1]}): {len(failed)} constraint(s) broke:\n{lines}")
     return exp, cfg, checks, p

@@ -81,7 +81,7 @@ def test_cli_overrides_seed_and_wandb_group(capsys):
     out = capsys.readouterr().out
     assert "trainer.total_training_steps=20" in out and "actor_rollout_ref.rollout.seed=7" in out
     assert "WANDB_RUN_GROUP=03_qwen3_30b_a3b_lora_mitigations" in out
-    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7" in out
+    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7,ep:4" in out
     assert "GPU-hours = 8 GPUs x 20 steps" in out
 
 
@@ -130,3 +130,19 @@ def test_a_rule_that_crashes_is_its_own_failure_and_the_others_still_run(monkeyp
     err = _cli_failures([str(MOON.parent), "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], capsys)
     assert "[test.crashes] the rule could not be evaluated" in err and "KeyError" in err
     assert "[vllm.gpu_memory_utilization_range]" in err  # rules after the crashing one still ran
+
+
+def test_shared_expert_adapter_needs_a_bridge_that_syncs_it_across_ep(tmp_path, monkeypatch):
+    """Bridge < 0.5.1 trains one copy per EP rank: the model would change with EP."""
+    exp, cfg, checks, _ = launch.prepare(MOON.parent)
+    ok = next(c for c in checks if c.name == "bridge.shared_expert_adapter_under_ep")
+    assert ok.ok and "identical on the 8 EP ranks" in ok.detail and "compare runs at one EP size" in ok.detail
+    monkeypatch.setattr(launch, "bridge_version_for_run", lambda: "0.5.0")
+    msg = _failed(MOON.parent)
+    assert "[bridge.shared_expert_adapter_under_ep]" in msg and "8 adapters per MoE layer" in msg
+
+
+def test_sequential_mlp_experts_would_not_share_the_adapter(tmp_path):
+    d = _bad(tmp_path, MOON, {"actor_rollout_ref": {"actor": {"megatron": {"override_transformer_config": {
+        "+moe_grouped_gemm": False}}}}})
+    assert "[bridge.shared_expert_adapter_under_ep]" in _failed(d)

@@ -393,6 +393,38 @@ def _lora_rank(spec):
     return f"LoRA rank {rank}"
 
 
+BRIDGE_EP_SYNC = (0, 5, 1)  # first release with the shared expert adapter kept identical across EP
+
+
+@rule("bridge.shared_expert_adapter_under_ep", f"{BRIDGE}: megatron/bridge/peft/lora.py LoRA.transform "
+      "(share_expert_adapters: one ParallelLinearAdapter per grouped expert linear on each EP rank), "
+      "peft/utils.py ParallelLinearAdapter._synchronize_shared_expert_parameters / "
+      "_allreduce_shared_expert_grad (since 0.5.1: broadcast from EP rank 0, grads summed over EP), "
+      "peft/utils.py is_grouped_expert_linear (SequentialMLP local_experts excluded)")
+def _bridge_shared(spec):
+    lora = spec.lora
+    if not lora.get("rank") or spec.ep <= 1 or lora.get("share_expert_adapters", True) is False \
+            or lora.get("experts_shared_outer_loras"):
+        return None
+    if spec.verl.get("moe_grouped_gemm") is False:
+        raise Broken("override_transformer_config.moe_grouped_gemm=False: experts become SequentialMLP "
+                     "local_experts, which Bridge gives one adapter each (is_grouped_expert_linear excludes them), "
+                     "so share_expert_adapters=True trains per-expert adapters instead of the shared one the "
+                     "experiment declares; fix: leave moe_grouped_gemm on")
+    ver = spec.verl.get("bridge_version") or "0"
+    have = tuple(int(x) for x in re.findall(r"\d+", str(ver))[:3])
+    if have < BRIDGE_EP_SYNC:
+        raise Broken(f"megatron-bridge {ver} with share_expert_adapters=True and EP={spec.ep}: before 0.5.1 each EP "
+                     f"rank trains its own copy of the shared adapter (no broadcast, no EP gradient all-reduce) and "
+                     f"the export gives each expert its EP rank's copy, so the trained model has {spec.ep} adapters "
+                     f"per MoE layer and changes with EP; fix: megatron-bridge >= 0.5.1 (requirements-gpu.txt pins "
+                     f"0.6.2) or share_expert_adapters=False")
+    return (f"one routed-expert adapter per MoE layer, identical on the {spec.ep} EP ranks (megatron-bridge {ver}: "
+            f"broadcast + EP grad all-reduce). Grad-norm clipping counts it once per EP rank (megatron-core "
+            f"distributed optimizer sums every rank's grad shard), so clip_grad engages at a norm that grows "
+            f"with EP: compare runs at one EP size (read from source, not run)")
+
+
 @rule("lora.targets_in_bridge_mapping", f"{BRIDGE}: megatron/bridge/peft/lora.py target_modules matched "
       "against the Megatron module names of megatron/bridge/models/{deepseek,qwen} providers")
 def _lora_targets(spec):
@@ -584,7 +616,7 @@ def _verl_dataclasses(spec):
 # ---------------------------------------------------------------------------------------------
 
 def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str = "0",
-                   lora_experiment_rank: int | None = None) -> LaunchSpec:
+                   lora_experiment_rank: int | None = None, bridge_version: str | None = None) -> LaunchSpec:
     """The LaunchSpec of a composed verl config (``ppo_megatron_trainer``). ``lora_experiment_rank``:
     the rank the experiment's own files set (None: not a LoRA experiment)."""
     from omegaconf import OmegaConf
@@ -620,6 +652,7 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   total_training_steps=sel("trainer.total_training_steps"),
                   use_v1=bool(sel("trainer.use_v1", True)),
                   lora_experiment=lora_experiment_rank is not None, lora_experiment_rank=lora_experiment_rank,
+                  bridge_version=bridge_version, moe_grouped_gemm=otc.get("moe_grouped_gemm"),
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
                   use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),

@@ -76,6 +76,17 @@ def vllm_version_for_run() -> tuple[str, str]:
         return (pin or "0"), "requirements-gpu.txt pin" if pin else "not installed and not pinned"
 
 
+def bridge_version_for_run() -> str | None:
+    """The installed Megatron-Bridge, else the version requirements-gpu.txt installs (its install
+    line is a comment: Bridge goes in with --no-deps)."""
+    ver = _installed_version("megatron-bridge")
+    if ver:
+        return ver
+    req = REPO / "requirements-gpu.txt"
+    m = re.search(r"megatron-bridge==([0-9][^\s;#]*)", req.read_text()) if req.exists() else None
+    return m.group(1) if m else None
+
+
 def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
     a = "actor_rollout_ref.actor.megatron."
     r = "actor_rollout_ref.rollout."
@@ -164,7 +175,8 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
     def upstream():
         ver, _ = vllm_version_for_run()
         spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver,
-                                          lora_experiment_rank=experiment_lora_rank(exp))
+                                          lora_experiment_rank=experiment_lora_rank(exp),
+                                          bridge_version=bridge_version_for_run())
         checks.extend(Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec))
 
     _guarded(checks, "constraints", upstream)
@@ -315,7 +327,7 @@ SEED_KEYS = ("actor_rollout_ref.actor.megatron.seed", "actor_rollout_ref.actor.d
 RUNTIME_ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
 
 
-def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
+def launch_overrides(exp: Experiment, seed: int | None = None, extra: list[str] = ()) -> list[str]:
     """What the launcher adds to the experiment's own overrides: the moerl loss (``moerl.loss``,
     through ``losses.verl_overrides``, so its env reaches Ray workers and verl's clip keys match),
     the wandb group and tags of the experiment/arm (wandb reads WANDB_RUN_GROUP/WANDB_TAGS in the
@@ -329,6 +341,9 @@ def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
     group = exp.name.split("/")[0]
     # "arm:<arm>" / "seed:<n>": the form moerl.results.load_wandb_runs reads a run's key from
     tags = [group] + ([f"arm:{exp.arm}"] if exp.arm else []) + ([f"seed:{seed}"] if seed is not None else [])
+    ep = _experiment_ep(exp.overrides + list(extra))
+    if ep is not None:  # shared expert adapters clip at an EP-dependent norm: runs compare at one EP only
+        tags.append(f"ep:{ep}")
     out += [f"{RUNTIME_ENV}.WANDB_RUN_GROUP={group}",
             f"{RUNTIME_ENV}.WANDB_TAGS='{','.join(tags)}'"]
     if seed is not None:
@@ -336,12 +351,18 @@ def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
     return out
 
 
+def _experiment_ep(overrides: list[str]) -> int | None:
+    key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+    vals = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return int(vals[-1]) if vals and vals[-1].isdigit() else None
+
+
 def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None):
     """Compose + validate; raise ConstraintError listing every failed constraint.
 
     ``extra`` are Hydra overrides from the command line (applied last, so they win)."""
     exp = load_experiment(directory, arm)
-    exp.overrides = exp.overrides + launch_overrides(exp, seed) + list(extra)
+    exp.overrides = exp.overrides + launch_overrides(exp, seed, extra) + list(extra)
     cfg = compose_experiment(exp)
     checks, p = validate(cfg, exp)
     checks.append(verl_validate(cfg))

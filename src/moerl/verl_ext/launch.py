@@ -373,12 +373,27 @@ def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = ()
     return exp, cfg, checks, p
 
 
+def rung_file(experiment: str | Path, rung: int) -> Path:
+    """``<experiment>/bringup/rung<N>.yaml``, or an error naming the rungs this experiment has."""
+    d = Path(experiment)
+    f = d / "bringup" / f"rung{rung}.yaml"
+    if not f.exists():
+        have = sorted(p.stem for p in (d / "bringup").glob("rung*.yaml"))
+        raise ExperimentError(f"{d.name} has no bring-up rung {rung} (has {have}; rung 4 is the full run without "
+                              f"--rung); its README's bring-up ladder says which experiment's rung to run instead")
+    return f
+
+
 def gpu_hours(exp: Experiment, cfg) -> str:
     """GPU-hours of the full run from ``moerl.est_step_minutes`` (an assumption the experiment states,
     not a measurement): GPUs x total_training_steps x minutes/step / 60."""
     minutes = exp.moerl.get("est_step_minutes")
     steps = select(cfg, "trainer.total_training_steps")
     n = int(select(cfg, "trainer.nnodes")) * int(select(cfg, "trainer.n_gpus_per_node"))
+    if exp.moerl.get("rung_minutes"):
+        m = float(exp.moerl["rung_minutes"])
+        return (f"GPU-hours ~ {n * m / 60:.1f} for this bring-up rung ({n} GPUs x ~{m:g} min wall, start-up "
+                f"included; moerl.rung_minutes is an estimate, not measured)")
     if not steps:
         return "GPU-hours: trainer.total_training_steps unset"
     per_minute = n * int(steps) / 60
@@ -395,10 +410,18 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. experiments/02_kimi_k2_lora_grpo_r3")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied last, e.g. trainer.total_training_steps=10")
     ap.add_argument("--arm", help="arm name for experiments with an arms/ folder")
+    ap.add_argument("--rung", type=int, help="bring-up rung: runs <experiment>/bringup/rung<N>.yaml (see the "
+                    "experiment README's bring-up ladder)")
     ap.add_argument("--seed", type=int, help=f"seed for {', '.join(SEED_KEYS)}")
     ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
     ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    if args.rung is not None:
+        try:
+            args.experiment = str(rung_file(args.experiment, args.rung))
+        except ExperimentError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         print(f"error: overrides must be key=value, got {bad}", file=sys.stderr)
@@ -420,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_command(cmd, env))
     if args.dry_run:
         return 0
+    log = env.get("VERL_FILE_LOGGER_PATH")
+    if log:  # verl's FileLogger opens this path without creating its folder
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
     return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
 
 

@@ -72,3 +72,18 @@ def test_bringup_checkpoint_is_a_hub_layout_checkpoint_of_the_planned_size(tmp_p
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == cfg["vocab_size"]
     assert json.loads((out / "moerl_bringup.json").read_text())["public_config"] == name
+
+
+@pytest.mark.parametrize("exp", ["01_kimi_k2_lora_grpo", "02_kimi_k2_lora_grpo_r3", "03_qwen3_30b_a3b_lora_mitigations",
+                                 "04_moonlight_16b_a3b_r3"])
+def test_readme_ladder_names_files_that_exist(exp):
+    import re
+
+    text = (EXP / exp / "README.md").read_text()
+    ladder = text[text.index("## Bring-up ladder"):text.index("## Results")]
+    for n in range(1, 5):
+        assert f"\n| {n}" in ladder, (exp, n)
+    for path in re.findall(r"experiments/[\w./-]+\.yaml", ladder):
+        assert (REPO / path).exists(), path
+    for m in re.finditer(r"experiments/(\w+)/launch\.sh --rung (\d)", ladder):
+        assert (EXP / m.group(1) / "bringup" / f"rung{m.group(2)}.yaml").exists(), m.group(0)

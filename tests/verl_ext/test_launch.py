@@ -117,7 +117,7 @@ def test_gpu_memory_utilization_outside_vllms_range(capsys):
 
 def test_reference_settings_without_a_reference_model(tmp_path):
     msg = _failed(_bad(tmp_path, MOON, {"actor_rollout_ref": {"ref": {"megatron": {"param_offload": True}}}}))
-    assert "[verl.ref_settings_need_a_reference_model]" in msg and "need_reference_policy" in msg
+    assert "[verl.ref_settings_need_a_reference_model]" in msg and "ref_in_actor" in msg
 
 
 def test_a_rule_that_crashes_is_its_own_failure_and_the_others_still_run(monkeypatch, capsys):

@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         print(f"ok  [{c.name}] {c.detail}")
     print(f"plan: trainer {p.trainer_gib:.1f} GiB/GPU, rollout {p.rollout_gib:.1f} GiB/GPU "
-          f"(python scripts/plan.py {exp.directory.name}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
+          f"(python scripts/plan.py {args.experiment}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
     print(gpu_hours(exp, cfg))
     env = env_for(cfg)
     cmd = build_command(exp, args.python)

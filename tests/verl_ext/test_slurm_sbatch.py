@@ -48,9 +48,11 @@ def _exe(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _run(tmp_path: Path, **env_extra) -> tuple[subprocess.CompletedProcess, str]:
+def _run(tmp_path: Path, fakes: dict[str, str] | None = None, **env_extra) -> tuple[subprocess.CompletedProcess, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    for name, text in (fakes or {}).items():
+        _exe(bin_dir / name, text)
     _exe(bin_dir / "srun", SRUN)
     _exe(bin_dir / "ray", RAY)
     _exe(bin_dir / "scontrol", "#!/bin/bash\nprintf '%s\\n' " + " ".join(NODES) + "\n")
@@ -94,4 +96,10 @@ def test_a_node_that_never_joins_is_named_and_verl_never_starts(tmp_path):
 def test_ray_temp_dir_that_is_too_long_is_refused_before_ray_starts(tmp_path, tmpdir, why):
     proc, log = _run(tmp_path, MOERL_RAY_TMPDIR=tmpdir)
     assert proc.returncode == 1 and why in proc.stderr
+    assert "ray start" not in log
+
+
+def test_ray_temp_dir_on_a_shared_filesystem_is_refused(tmp_path):
+    proc, log = _run(tmp_path, fakes={"stat": "#!/bin/bash\necho lustre\n"})  # stat -f -c %T says Lustre
+    assert proc.returncode == 1 and "shared filesystem" in proc.stderr
     assert "ray start" not in log

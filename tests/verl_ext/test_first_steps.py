@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from moerl.results import VERL_METRIC_MAP
@@ -134,14 +133,16 @@ def test_experiment_gives_family_and_r3_mode_and_wandb_runs_are_read():
         "qwen3_moe", True)
     assert fs.family_and_r3("x", REPO / "experiments/01_kimi_k2_lora_grpo") == ("deepseek_v3", False)
     steps = _verl_steps("baseline/seed1")
-    frame = pd.DataFrame([{"_step": s, **d} for s, d in steps.items()])
+    rows = [{"_step": s, **d} for s, d in steps.items()] + [{"_step": 2, "val-core/math/acc/mean@1": 0.1}]
 
-    class Api:  # wandb.Api stand-in
+    class Api:  # wandb.Api stand-in: scan_history yields only the keys each row logged
         def run(self, path):
             assert path == "ent/proj/abc"
-            return type("Run", (), {"history": lambda self, samples, pandas: frame})()
+            return type("Run", (), {"scan_history": lambda self: iter(rows)})()
 
     assert cli.main(["wandb:ent/proj/abc", "--family", "qwen3_moe"], api=Api()) == 0
+    rows[1]["actor/grad_norm"] = float("nan")
+    assert cli.main(["wandb:ent/proj/abc", "--family", "qwen3_moe"], api=Api()) == 1
 
 
 def test_unreadable_run_exits_2(tmp_path):

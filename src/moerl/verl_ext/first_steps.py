@@ -78,8 +78,9 @@ def read_rows(path: str | Path, api=None) -> list[dict]:
             import wandb
 
             api = wandb.Api()
-        hist = api.run(text[len("wandb:"):]).history(samples=100_000, pandas=True)
-        raw = hist.to_dict("records")
+        # scan_history yields each logged row with only the keys logged in it (history()'s frame
+        # fills unlogged keys with NaN, which would read as non-finite values)
+        raw = [dict(r) for r in api.run(text[len("wandb:"):]).scan_history()]
         for r in raw:
             if "training/global_step" not in r and "_step" in r:
                 r["step"] = r["_step"]

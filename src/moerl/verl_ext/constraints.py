@@ -483,8 +483,9 @@ def _verl_rollout_gpus(spec):
     return f"{spec.n_gpus // world} rollout replica(s) of {world} GPUs"
 
 
-@rule("verl.batch_divisibility", f"{VERL}: verl/trainer/ppo/ray_trainer.py and verl/workers/config/actor.py "
-      "(mini-batches split the batch; each mini-batch splits over data-parallel ranks)")
+@rule("verl.batch_divisibility", f"{VERL}: verl/trainer/ppo/v1/trainer_base.py (_balance_batch pads the batch with "
+      "no-op samples up to a multiple of lcm(DP, ppo_mini_batch_size*n): padded updates are not the declared batch) "
+      "and verl/workers/config/actor.py (mini-batch vs train batch)")
 def _verl_batch(spec):
     v = spec.verl
     if "train_batch_size" not in v:

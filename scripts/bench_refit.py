@@ -34,8 +34,9 @@ from moerl.models.presets import build_model
 from moerl.refit.adapter_format import AdapterMap
 from moerl.refit.engine_process import EngineProcess
 from moerl.refit.pack import pack_bucket
-from moerl.refit.plan import build_plan, dtype_of
+from moerl.refit.plan import build_plan
 from moerl.refit.receiver import Receiver
+from moerl.rollout.precision import compute_dtype
 from moerl.refit.refitter import LocalTransport, Refitter, make_refitter
 from moerl.refit.weights import base_state_dict, effective_state_dict
 
@@ -173,7 +174,7 @@ def bench_preset(name: str, overrides: dict, rounds: int, adapter_refits: int, p
     row = {"preset": name, "model": dict(overrides), "base_params": n_params, "lora_rank": cfg.lora.rank,
            "bucket_mb": cfg.refit.bucket_mb}
     bucket_bytes = int(cfg.refit.bucket_mb * 2**20)
-    wire = dtype_of({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}[cfg.rollout.dtype])
+    wire = compute_dtype(cfg.rollout.dtype)
     row["passes"] = {mode: pass_breakdown(cfg, policy, mode, wire, bucket_bytes) for mode in ("adapter", "merged")}
     engines, refitters = {}, {}
     try:

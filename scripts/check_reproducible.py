@@ -85,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     recorded = read_metrics(run / "metrics.jsonl")
     if not recorded:
         sys.exit(f"check_reproducible: no recorded run at {run} (expected metrics.jsonl)")
-    arm_yaml = experiment / "arms" / f"{args.arm}.yaml"
+    # A run named <arm>+key=value+... was made from the arm's file with those overrides.
+    arm, *name_overrides = args.arm.split("+")
+    arm_yaml = experiment / "arms" / f"{arm}.yaml"
     if not arm_yaml.exists():
         sys.exit(f"check_reproducible: no arm config {arm_yaml}")
     recorded_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
     # fp32 results depend on the thread count (it sets the reduction order): re-run with the recorded one.
     threads = recorded_cfg.get("threads")
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [f"tracking.output_dir={tmp}", "tracking.wandb_mode=disabled", "tracking.progress_bar=false"]
+        overrides = [f"tracking.output_dir={tmp}", "tracking.wandb_mode=disabled", "tracking.progress_bar=false",
+                     *name_overrides, *recorded_settings(recorded_cfg)]
         if threads:
             overrides.append(f"threads={threads}")
         if args.steps:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"check_reproducible: the re-run failed:\n{proc.stderr[-3000:]}")
-        fresh_files = list(Path(tmp).glob(f"**/{args.arm}*/seed{args.seed}/metrics.jsonl"))
+        fresh_files = list(Path(tmp).glob(f"**/{arm}*/seed{args.seed}/metrics.jsonl"))
         if not fresh_files:
             sys.exit(f"check_reproducible: the re-run wrote no metrics.jsonl under {tmp}")
         fresh = read_metrics(fresh_files[0])
@@ -126,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
           f"largest relative difference {stats[0]:.2g} ('{stats[1]}'); mismatch and IS statistics (round-off between two fp32 policies) differ by at most "
           f"{stats[2]:.2g} ('{stats[3]}')")
     return 0
+
+
+def recorded_settings(recorded_cfg: dict) -> list[str]:
+    """Overrides that pin the keys added since runs were first recorded (moerl.config.LEGACY_VALUES) to
+    what the recorded run used: its value where its config.yaml has the key, the legacy value where it
+    predates the key. A changed default never makes an old run look irreproducible."""
+    from moerl.config import LEGACY_VALUES, flatten
+
+    flat = flatten(recorded_cfg)
+    return [f"{key}={flat.get(key, legacy)}" for key, legacy in LEGACY_VALUES.items()]
 
 
 def float_deviation(recorded: list[dict], fresh: list[dict], max_step: int | None) -> tuple[float, str, float, str]:

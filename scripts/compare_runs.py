@@ -17,7 +17,10 @@ COLUMNS = [
     ("initial_eval/eval/pass1", "pass@1 start", "{:.3f}"), ("final_eval/eval/pass1", "pass@1 end", "{:.3f}"),
     ("initial_eval/eval/greedy", "greedy start", "{:.3f}"), ("final_eval/eval/greedy", "greedy end", "{:.3f}"),
     ("mean/mismatch/k3", "k3 mean", "{:.2e}"), ("mean/mismatch/k3_max", "k3 max (mean)", "{:.2e}"),
-    ("mean/routing/disagreement", "route disagree", "{:.4f}"), ("mean/is/p99", "IS p99", "{:.3f}"),
+    ("mean/routing/disagreement", "route disagree (mean over layers)", "{:.4f}"),
+    ("mean/routing/any_layer_differs", "tokens re-routed in >= 1 layer", "{:.4f}"),
+    # is/* is logged at the loss's level: per token, or per sequence for a sequence-level MIS arm
+    ("cfg/is_level", "IS level", "{}"), ("mean/is/p99", "IS p99 (at that level)", "{:.3f}"),
     ("mean/time/step", "s/step", "{:.2f}"),
 ]
 

@@ -3,8 +3,9 @@
     python scripts/make_figures.py [--runs results/runs] [--out results/figures] [--refit results/refit]
 
 Per experiment under --runs, one figure per question of ``experiments/<experiment>/figures.yaml``
-(the arms it compares, the metrics it draws), the headline summary (k3 relative to baseline,
-native vs replayed routing agreement), held-out accuracy gains, routing per layer and, where
+(the arms it compares, the metrics it draws, its caption and a source's reference line), the
+headline summary (run-median k3 relative to the same model family's baseline, per-layer native vs
+replayed routing agreement), held-out accuracy gains, routing per layer and, where
 samples/*.npz were saved, importance-weight histograms with each correction's cap or band,
 quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figure (cost, bf16 drift,
 bytes at scale) when --refit holds scripts/bench_refit.py's JSON.

@@ -7,7 +7,9 @@ The run directory is <tracking.output_dir>/<experiment>/<arm>[+<overrides>]/seed
 output: runs/, which git ignores; the recorded ablation in results/runs is never written to unless
 asked for). Overrides that change what the run computes are part of its name, so they never land
 in another run's directory. An existing run is never overwritten: continue it with --resume (only
-with the config it was started with), or move it aside with --fresh (renamed, not deleted).
+with the config it was started with), or move it aside with --fresh (renamed, not deleted). One
+process at a time writes a run directory: a second run or resume of a live one is refused, naming
+the live process (a lock on ``.seed<k>.lock`` beside the run, released when its process ends).
 
 Errors are one line naming the file, key or run and what to do; --debug shows the traceback.
 """
@@ -46,6 +48,13 @@ def run(args) -> dict | None:
     if args.print_config:
         print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg)}", end="")
         return None
+    from moerl.runlock import lock_run
+    from moerl.trainer.grpo import check_splits
+
+    check_splits(cfg)  # bad data fails before anything is written (the lock file included)
+    # One writer per run directory, taken before the run's state is looked at: a second run or a
+    # resume of a live run is refused, naming the process that holds it.
+    lock_run(run_dir)
     if (run_dir / "summary.json").exists() and not args.fresh:
         from moerl.tracking import check_same_config
 
@@ -55,9 +64,6 @@ def run(args) -> dict | None:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
         if not args.fresh:
             raise UsageError(f"{run_dir} already holds a run: pass --resume to continue it or --fresh to move it aside")
-        from moerl.trainer.grpo import check_splits
-
-        check_splits(cfg)  # bad data fails before the previous run is moved aside
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         print(f"moved the previous run to {aside}")

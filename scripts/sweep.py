@@ -14,6 +14,10 @@ instead of oversubscribing it. Every run writes a log to ``<output>/<experiment>
 The sweep's wall time and each run's time are appended to ``<output>/<experiment>/sweep.json``
 (one entry per invocation; scripts/write_results.py reports the total).
 
+The sweep owns its runs: each is started in a process group of its own and dies with the sweep
+(SIGTERM or SIGINT to the sweep stops them, and a sweep killed with SIGKILL takes them along through
+the parent-death signal), so a re-run never finds a run of the previous sweep still writing.
+
 With ``--ray`` the same runs are Ray tasks (``ray.init(address=$RAY_ADDRESS)``, a local Ray when
 unset), each asking for ``threads`` CPUs; on a cluster the repository and the output directory must
 be on a filesystem every node sees.
@@ -21,10 +25,13 @@ be on a filesystem every node sees.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -183,6 +190,78 @@ def warm_start_jobs(jobs: list[Job], out_dir: Path, threads: int, overrides: lis
             for path, j in first.items()]
 
 
+class Children:
+    """The runs this sweep has started: ended with the sweep, whatever ends it."""
+
+    PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+    def __init__(self):
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.stopping = False
+        try:
+            self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # not Linux: SIGTERM/SIGINT still end the runs
+            self._prctl = None
+
+    def __reduce__(self):  # a Ray worker that runs ``execute`` gets a registry of its own
+        return Children, ()
+
+    def _die_with_parent(self, parent: int):
+        """Runs in the child between fork and exec: SIGKILL when the sweep dies (even by SIGKILL);
+        a sweep already gone by then ends the child at once."""
+        if self._prctl is None:
+            return None
+
+        def arm():
+            self._prctl(self.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+        return arm
+
+    def run(self, command: list[str], **kwargs) -> int:
+        """``subprocess.run`` in a new process group that the sweep can end, returning the exit code."""
+        with self._lock:
+            if self.stopping:
+                return -signal.SIGTERM
+            proc = subprocess.Popen(command, start_new_session=True,
+                                    preexec_fn=self._die_with_parent(os.getpid()), **kwargs)
+            self._procs.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+
+    def stop(self, grace: float = 10.0) -> int:
+        """SIGTERM every run's process group, SIGKILL what is left after ``grace`` seconds; the count."""
+        with self._lock:
+            self.stopping = True
+            procs = list(self._procs)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            deadline = time.monotonic() + grace
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return len(procs)
+
+
+CHILDREN = Children()
+
+
+def _stop_on_signal(signum, frame):
+    stopped = CHILDREN.stop()
+    print(f"[sweep] {signal.Signals(signum).name}: stopped {stopped} run(s); run the sweep again to resume them",
+          flush=True)
+    raise SystemExit(128 + signum)
+
+
 def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
     """Run one job as a subprocess (in ``cwd``, default the current directory: relative paths in the
     configs resolve as they do for the sweep), its stdout and stderr appended to the job's log."""
@@ -191,8 +270,7 @@ def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
     with open(job.log, "a") as fh:
         fh.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {job.action}: {' '.join(job.command)}\n")
         fh.flush()
-        rc = subprocess.run(job.command, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd,
-                            env=job_env(threads)).returncode
+        rc = CHILDREN.run(job.command, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(threads))
     return Result(job.arm, job.seed, job.action, rc, time.perf_counter() - start, job.log)
 
 
@@ -204,11 +282,17 @@ def _report(done: int, total: int, r: Result) -> None:
 
 def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
     results = []
-    with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
-        futures = [pool.submit(execute, j, threads) for j in jobs]
-        for fut in as_completed(futures):
-            results.append(fut.result())
-            _report(len(results), len(jobs), results[-1])
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+            futures = [pool.submit(execute, j, threads) for j in jobs]
+            for fut in as_completed(futures):
+                results.append(fut.result())
+                _report(len(results), len(jobs), results[-1])
+    finally:  # an error or a signal in the sweep leaves no run behind
+        if not all(f.done() for f in futures):
+            for f in futures:
+                f.cancel()
+            CHILDREN.stop()
     return results
 
 
@@ -299,7 +383,16 @@ def sweep(argv: list[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = ap.parse_intermixed_args(argv)
 
-    seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+    if args.seed_list:
+        try:
+            seeds = [int(s) for s in args.seed_list.split(",") if s.strip()]
+        except ValueError:
+            raise SystemExit(f"--seed-list {args.seed_list}: expected comma-separated integers, e.g. 0,1,2") from None
+    else:
+        seeds = list(range(args.seeds))
+    if not seeds or any(s < 0 for s in seeds):
+        given = f"--seed-list {args.seed_list}" if args.seed_list else f"--seeds {args.seeds}"
+        raise SystemExit(f"{given}: expected at least one seed, none negative (--seeds N runs seeds 0..N-1)")
     overrides = list(args.overrides) + ([f"tracking.output_dir={args.output_dir}"] if args.output_dir else [])
     cores = usable_cores()
     n_jobs = args.jobs or cores
@@ -321,6 +414,9 @@ def sweep(argv: list[str] | None = None) -> int:
             print(f"{j.arm} seed{j.seed}: {j.action}" + (f"  $ {' '.join(j.command)}" if j.command else ""))
         return 0
 
+    if not args.ray:  # the runs end with the sweep (Ray owns the processes of its tasks)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_on_signal)
     start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
     runner = (lambda js, t: run_ray(js, t)) if args.ray else (lambda js, t: run_local(js, n_jobs, t))
     ran = runner(warm, warm_threads) if warm else []

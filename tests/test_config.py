@@ -86,5 +86,5 @@ def test_run_identity_and_name():
     assert config_hash(plain) == config_hash(same) and same.run_name == "00_tiny_moe_cpu/tis/seed0"
     assert config_hash(other) != config_hash(plain) and other.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap=3.0/seed0"
     assert config_diff(identity_dict(plain), identity_dict(other)) == ["loss.tis_cap: 2.0 -> 3.0"]
-    many = load_config(None, [f"model.hidden_size={64 + i}" for i in range(8)])
+    many = load_config(None, [f"model.hidden_size={64 + 8 * i}" for i in range(8)])
     assert len(many.variant) < 40 and many.variant.startswith("8overrides-")

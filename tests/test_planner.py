@@ -154,3 +154,19 @@ def test_host_ram_for_offload_is_per_node_and_checked():
     assert any("host RAM per node" in x for x in p.problems)
     lay.host_mem_gib = 4000
     assert not any("host RAM" in x for x in planner.plan(cfg, lay).problems)
+
+
+def test_shared_expert_adapter_count_does_not_depend_on_ep_but_its_copies_do():
+    """Megatron-Bridge keeps one shared routed-expert adapter per MoE layer identical on every EP rank:
+    the trained count is EP-free, the memory holds one copy per EP rank (sharded over expert DP)."""
+    cfg = planner.load_public_config("kimi_k2")
+    targets = ("linear_fc1", "linear_fc2")
+    per_layer = planner.count_lora_params(cfg, 32, list(targets), "shared").routed_per_layer
+    assert per_layer == 32 * (7168 + 2 * 2048) + 32 * (2048 + 7168)  # one fc1 + one fc2 adapter
+    gib = {}
+    for ep in (1, 8):
+        lay = planner.Layout(n_gpus=64, gpu_mem_gib=80, tp=8, pp=8, ep=ep, etp=1, lora_rank=32, lora_targets=targets)
+        p = planner.plan(cfg, lay)
+        assert p.lora.routed_experts == len(planner.moe_layer_indices(cfg)) * per_layer
+        gib[ep] = next(x.gib for x in p.trainer if x.name.startswith("LoRA params"))
+    assert gib[1] == gib[8]  # replicated on every EP rank, not split

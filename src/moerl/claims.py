@@ -1,9 +1,11 @@
 """Experiment 05's claims, answered from the recorded runs: the source's value, this repo's value,
-and a verdict (yes / partly / no / not tested) by a rule stated next to it.
+and a verdict (yes / partly / no / not tested / inconclusive) by a rule stated next to it; the
+rules for "not tested" and "inconclusive" live in moerl.verdicts.
 
-Every figure is computed here from metrics.jsonl and summary.json; nothing is typed in. The rules
-are fixed before reading the main grid (see experiments/05_mismatch_consequences/README.md) and
-are deliberately simple: a reader should be able to redo each verdict from the table.
+Every figure is computed here from metrics.jsonl and summary.json; nothing is typed in. The yes /
+partly / no thresholds were fixed before reading the main grid; the "not tested" and
+"inconclusive" gates were added after the runs had been read (see
+experiments/05_mismatch_consequences/README.md). The rules are deliberately simple: a reader should be able to redo each verdict from the table.
 
 Windows: "early" is the first ``WINDOW`` training steps of a run, "late" its last ``WINDOW``.
 Ratios between arms pair runs by seed (same prompts, same warm start) and report the median over
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from moerl import verdicts
 from moerl.collapse import collapse_step
 
 WINDOW = 50
@@ -30,7 +33,7 @@ class Claim:
     source: str
     paper: str  # the source's value
     repo: str  # this repository's value, from the runs
-    verdict: str  # yes | partly | no | not tested
+    verdict: str  # yes | partly | no | not tested | inconclusive (moerl.verdicts)
     rule: str  # how the verdict follows from the values
 
 
@@ -110,59 +113,102 @@ def _count_str(collapses: dict, arm: str) -> str:
 
 
 # -- the claims -------------------------------------------------------------------------------------
+# Each verdict goes through moerl.verdicts: "not tested" when the regime could not show the effect,
+# "inconclusive" when the seeds straddle the rule's threshold.
+
+def _per_seed(runs: pd.DataFrame, key: str) -> dict[str, dict[int, float]]:
+    """arm -> seed -> the per-run value of ``key`` (a run_table column)."""
+    if key not in runs:
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    for arm, seed, v in zip(runs["arm"], runs["seed"], pd.to_numeric(runs[key], errors="coerce")):
+        out.setdefault(arm, {})[int(seed)] = float(v)
+    return out
+
+
+def _pass1_gain(runs: pd.DataFrame) -> dict[str, dict[int, float]]:
+    """arm -> seed -> final minus step-0 held-out pass@1, each measured by the arm's own engine, so
+    the evaluator's precision cancels (it does not between two arms' final values)."""
+    final, initial = _per_seed(runs, "final_eval/eval/pass1"), _per_seed(runs, "initial_eval/eval/pass1")
+    return {a: {s: final[a][s] - initial[a][s] for s in final[a] if s in initial.get(a, {})} for a in final}
+
+
+def _paired_diffs(values: dict[str, dict[int, float]], arm: str, control: str) -> list[float]:
+    a, b = values.get(arm, {}), values.get(control, {})
+    return [a[s] - b[s] for s in sorted(set(a) & set(b))]
+
+
+def _fmt_diffs(d: list[float]) -> str:
+    return f"{np.mean(d):+.3f} (seeds {min(d):+.3f}…{max(d):+.3f})" if d else "n/a"
+
+
+UNCORRECTED_CONTROLS = {"baseline": "fp32_rollout", "baseline_fp8": "fp32_rollout",
+                        "deepseek_baseline": "deepseek_fp32_rollout"}
+
+
 def claim_collapse(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     c = collapse_steps(metrics)
-    uncorrected = ["baseline", "baseline_fp8", "deepseek_baseline"]
+    uncorrected = list(UNCORRECTED_CONTROLS)
     aligned = ["r3", "deepseek_r3", "fp32_rollout", "deepseek_fp32_rollout"]
-    pass1 = runs.set_index(["arm", "seed"])["final_eval/eval/pass1"] if "final_eval/eval/pass1" in runs else None
-    gap = []
-    if pass1 is not None:
-        for arm, control in (("baseline", "fp32_rollout"), ("deepseek_baseline", "deepseek_fp32_rollout")):
-            d = [pass1[(arm, s)] - pass1[(control, s)] for (a, s) in pass1.index if a == arm
-                 and (control, s) in pass1.index]
-            if d:
-                gap.append(f"{arm} − {control} final pass@1 {np.mean(d):+.3f} (seeds {min(d):+.3f}…{max(d):+.3f})")
+    final, initial, gain = (_per_seed(runs, "final_eval/eval/pass1"), _per_seed(runs, "initial_eval/eval/pass1"),
+                            _pass1_gain(runs))
+    gaps, beyond = [], []
+    for arm, control in UNCORRECTED_CONTROLS.items():
+        if arm not in gain or control not in gain:
+            continue
+        gaps.append(f"{arm} − {control}: final pass@1 {_fmt_diffs(_paired_diffs(final, arm, control))}, step-0 "
+                    f"offset of their evaluators {_fmt_diffs(_paired_diffs(initial, arm, control))}, pass@1 gain "
+                    f"{_fmt_diffs(_paired_diffs(gain, arm, control))}")
+        beyond.append(_count(c, arm)[0] > _count(c, control)[0] or verdicts.beyond_control(gain[arm], gain[control]))
+    controls = [ctl for ctl in dict.fromkeys(UNCORRECTED_CONTROLS.values()) if ctl in gain]
+    own = [f"{ctl} {_fmt_diffs(list(gain[ctl].values()))}" for ctl in controls]
     repo = ("collapsed: " + ", ".join(_count_str(c, a) for a in uncorrected + aligned)
-            + ("; " + "; ".join(gap) if gap else ""))
+            + ("; " + "; ".join(gaps) if gaps else "")
+            + (f"; the fp32 controls' own pass@1 gain: {', '.join(own)}" if own else ""))
     bad = [_count(c, a) for a in uncorrected]
     good = [_count(c, a) for a in aligned]
-    ran = sum(n for _, n in bad)
-    if not ran:
-        verdict = "not tested"
+    if not sum(n for _, n in bad):
+        verdict = verdicts.NOT_TESTED
     elif any(n and k * 2 > n for k, n in bad) and not any(k for k, _ in good):
-        verdict = "yes"
+        verdict = verdicts.YES
     elif any(k for k, _ in bad):
-        verdict = "partly"
+        verdict = verdicts.PARTLY
     else:
-        verdict = "no"
+        verdict = verdicts.NO
+    verdict = verdicts.gate(verdict, effect_present=any(beyond) if beyond else None)
     return Claim("uncorrected GRPO on an MoE collapses while an aligned rollout does not",
                  "R3 paper (arXiv 2510.11370), Qwen3-30B-A3B", "3 of 3 baseline runs collapsed, 0 of 3 R3", repo,
-                 verdict, "yes: most runs of an uncorrected arm collapse and no R3 or fp32 run does; partly: some "
-                 "uncorrected run collapses; no: none does")
+                 verdict, "not tested: no uncorrected arm collapses more often than its fp32 control, nor loses more "
+                 "held-out pass@1 (gain, own evaluator) in every seed; else yes: most runs of an uncorrected arm "
+                 "collapse and no R3 or fp32 run does; partly: some uncorrected run collapses; no: none does")
 
 
 def claim_family(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     ratios, text = k3_ratio(metrics, "deepseek_baseline", "baseline")
     differs = window_mean(metrics, "routing/any_layer_differs")
-    repo = (f"k3 DeepSeek-V3 / Qwen3-MoE preset (bf16 rollout, same seed): {text}; tokens re-routed "
-            f"in ≥ 1 MoE layer: Qwen3-MoE {_fmt_values(_arm_values(differs, 'baseline'))}, DeepSeek-V3 "
-            f"{_fmt_values(_arm_values(differs, 'deepseek_baseline'))}")
-    verdict = "not tested" if not ratios else "yes" if min(ratios) > 1 else "partly" if np.median(ratios) > 1 else "no"
+    repo = (f"k3 DeepSeek-V3 preset / Qwen3-MoE preset (both uncorrected, bf16 rollout, same seed): {text}; "
+            f"tokens re-routed in ≥ 1 MoE layer: Qwen3-MoE {_fmt_values(_arm_values(differs, 'baseline'))}, "
+            f"DeepSeek-V3 {_fmt_values(_arm_values(differs, 'deepseek_baseline'))}")
+    verdict = verdicts.by_threshold(ratios, 1.0)
     return Claim("the mismatch is worse on DeepSeek-V3-style MoE than on Qwen3-MoE", "Mind Lab R3 blog",
                  "larger on Moonlight-16B-A3B than on Qwen3-30B-A3B (qualitative)", repo, verdict,
-                 "yes: k3 larger on the DeepSeek-V3 preset in every seed; partly: in the median only")
+                 "yes: k3 larger on the DeepSeek-V3 preset in every seed; no: smaller in every seed; "
+                 "inconclusive: the seeds disagree")
 
 
 def claim_clipping(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     ratios, text = k3_ratio(metrics, "ppo_tight_clip", "baseline")
     clip_tight = _arm_values(window_mean(metrics, "clip/frac"), "ppo_tight_clip")
     clip_base = _arm_values(window_mean(metrics, "clip/frac"), "baseline")
-    repo = (f"k3 with clip 0.1 / clip 0.2: {text}; clipped tokens {_fmt_values(clip_tight, '{:.4f}')} "
-            f"vs {_fmt_values(clip_base, '{:.4f}')}")
-    verdict = "not tested" if not ratios else "yes" if np.median(ratios) > 0.5 else "no"
+    repo = (f"k3 ppo_tight_clip / baseline (clip 0.1 / 0.2): {text}; clipped tokens "
+            f"{_fmt_values(clip_tight, '{:.4f}')} vs {_fmt_values(clip_base, '{:.4f}')}")
+    verdict = verdicts.gate(verdicts.by_threshold(ratios, 0.5),
+                            acted=verdicts.acts_on(clip_tight) if clip_tight else None)
     return Claim("PPO clipping does not see the mismatch", "Mind Lab R3 blog",
                  "clipping bounds π_θ/π_old, not π_old/π_rollout", repo, verdict,
-                 "yes: a tighter clip leaves k3 above half the baseline's (it does not act on it); no: it halves it")
+                 f"not tested: the tight clip clips < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed; else yes: "
+                 "k3 stays above half the baseline's in every seed (the clip does not act on it); no: below in "
+                 "every seed; inconclusive: the seeds disagree")
 
 
 def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
@@ -170,47 +216,66 @@ def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     late = window_mean(metrics, "mismatch/k3", "late", stat="median")
     growth = {arm: [float(late[arm][s] / early[arm][s]) for s in late[arm].index if s in early[arm].index]
               for arm in ("baseline", "tis") if not late.empty and arm in late.index.get_level_values(0)}
-    repo = ("median k3, last vs first 50 steps: "
-            + ", ".join(f"{arm} {_fmt_ratio(v)}" for arm, v in growth.items()) if growth else "n/a")
+    truncated = _arm_values(window_mean(metrics, "is/truncated_frac"), "tis")
+    parts = [f"median k3, last vs first {WINDOW} steps: "
+             + ", ".join(f"{arm} {_fmt_ratio(v)}" for arm, v in growth.items())] if growth else []
+    if truncated:
+        parts.append(f"TIS truncated {np.mean(truncated):.2%} of tokens (n={len(truncated)})")
     if "baseline" not in growth or "tis" not in growth:
-        verdict = "not tested"
-    elif np.median(growth["baseline"]) <= 1.2:
-        verdict, repo = "not tested", repo + " — the baseline's mismatch did not drift upward, so there was no drift to stop"
+        verdict = verdicts.NOT_TESTED
     else:
-        verdict = "yes" if np.median(growth["tis"]) > 1.2 else "no"
-    return Claim("TIS does not stop the drift", "Mind Lab R3 blog", "k3 keeps growing under TIS", repo, verdict,
-                 "tested only if the baseline's k3 grows > 1.2× from the first to the last 50 steps; then yes if TIS's grows too")
+        drift = verdicts.by_threshold(growth["baseline"], 1.2)
+        verdict = verdicts.gate(verdicts.by_threshold(growth["tis"], 1.2),
+                                acted=verdicts.acts_on(truncated) if truncated else None,
+                                effect_present=drift == verdicts.YES)
+    return Claim("TIS does not stop the drift", "Mind Lab R3 blog", "k3 keeps growing under TIS",
+                 "; ".join(parts) or "n/a", verdict,
+                 f"not tested: TIS truncates < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed, or the baseline's "
+                 "k3 does not grow > 1.2× from the first to the last steps in every seed; else yes: TIS's grows "
+                 "> 1.2× in every seed; no: in none; inconclusive: the seeds disagree")
 
 
 def claim_masking(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     early = window_mean(metrics, "effective/token_frac", "early")
     late = window_mean(metrics, "effective/token_frac", "late")
-    parts, verdicts = [], []
+    masked = window_mean(metrics, "mask/token_frac")
+    parts, answers, acted = [], [], []
     for arm in ("mis", "icepop"):
         e, l_ = _arm_values(early, arm), _arm_values(late, arm)
         if not e:
             continue
-        parts.append(f"{arm}: tokens with gradient {np.mean(e):.3f} early → {np.mean(l_):.3f} late (n={len(e)})")
-        verdicts.append("yes" if np.mean(l_) < 0.5 else "partly" if np.mean(l_) < 0.9 * np.mean(e) else "no")
+        m = _arm_values(masked, arm)
+        if m:  # not logged: whether the mask acted is unknown, not "no"
+            acted.append(verdicts.acts_on(m))
+        parts.append(f"{arm}: " + (f"masked {np.mean(m):.2%} of tokens; " if m else "")
+                     + f"tokens with gradient {np.mean(e):.3f} early → "
+                     f"{np.mean(l_):.3f} late (n={len(e)})")
+        halted = verdicts.by_threshold(l_, 0.5, above=verdicts.NO, below=verdicts.YES)
+        fell = [b / a for a, b in zip(e, l_) if a]
+        answers.append(halted if halted != verdicts.NO else
+                       verdicts.by_threshold(fell, 0.9, above=verdicts.NO, below=verdicts.PARTLY))
     base = _arm_values(late, "baseline")
     if base:
         parts.append(f"baseline {np.mean(base):.3f} late")
-    verdict = ("not tested" if not verdicts else "yes" if "yes" in verdicts
-               else "partly" if "partly" in verdicts else "no")
+    order = (verdicts.YES, verdicts.PARTLY, verdicts.INCONCLUSIVE, verdicts.NO)
+    verdict = next((v for v in order if v in answers), verdicts.NOT_TESTED)
+    verdict = verdicts.gate(verdict, acted=any(acted) if acted else None)
     return Claim("masking IS (MIS / IcePop) discards ever more samples, eventually halting training",
                  "Mind Lab R3 blog; verl rollout-correction docs", "\"eventually discarding everything\"",
                  "; ".join(parts) or "n/a", verdict,
-                 "yes: fewer than half the tokens keep a gradient over the last 50 steps; partly: the share fell by "
-                 "> 10 % from the first 50 steps; no: it did not")
+                 f"not tested: MIS and IcePop each mask < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed; else "
+                 "yes: fewer than half the tokens keep a gradient over the last steps; partly: the share fell by "
+                 "> 10 % from the first steps; no: it did not (every seed); inconclusive: the seeds disagree")
 
 
 def claim_r2(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     r2, r2_text = k3_ratio(metrics, "r2", "baseline")
     _, r3_text = k3_ratio(metrics, "r3", "baseline")
-    repo = f"k3 R2 / baseline {r2_text} (R3 / baseline {r3_text})"
-    verdict = "not tested" if not r2 else "yes" if np.median(r2) > 0.8 else "no"
+    repo = f"k3 r2 / baseline {r2_text} (r3 / baseline {r3_text})"
+    verdict = verdicts.by_threshold(r2, 0.8)
     return Claim("R2 does not improve the mismatch", "Mind Lab R3 blog", "no improvement over no replay", repo, verdict,
-                 "yes: R2's k3 stays above 0.8× the baseline's")
+                 "yes: R2's k3 stays above 0.8× the baseline's in every seed; no: below in every seed; "
+                 "inconclusive: the seeds disagree")
 
 
 def claim_position_bug(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
@@ -220,40 +285,66 @@ def claim_position_bug(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     native = _arm_values(window_mean(metrics, "routing/agreement"), "deepseek_r3_position_bug")
     fixed = _arm_values(window_mean(metrics, "routing/agreement"), "deepseek_r3")
     k, n = _count(c, "deepseek_r3_position_bug")
-    repo = (f"k3 vs no replay {worse_text}; replayed agreement {_fmt_values(replayed, '{:.3f}')} (the checks "
-            f"pass) but trainer-native vs trace agreement {_fmt_values(native, '{:.3f}')} (fixed R3: "
-            f"{_fmt_values(fixed, '{:.3f}')}); collapsed {k}/{n}")
-    verdict = "not tested" if not worse else "yes" if min(worse) > 1 else "partly" if k else "no"
+    repo = (f"k3 deepseek_r3_position_bug / deepseek_baseline {worse_text}; replayed agreement "
+            f"{_fmt_values(replayed, '{:.3f}')} (the checks pass) but trainer-native vs trace agreement, mean over "
+            f"layers {_fmt_values(native, '{:.3f}')} (fixed R3: {_fmt_values(fixed, '{:.3f}')}); collapsed {k}/{n}")
+    verdict = verdicts.by_threshold(worse, 1.0, below=verdicts.PARTLY if k else verdicts.NO)
     return Claim("R3 mapped by position on a dense-first-layer model is broken", "verl PR 5037 / Mind Lab",
                  "MoE layers replay another layer's routes; the first gets the dense layer's zero rows", repo,
-                 verdict, "yes: its k3 exceeds no replay's in every seed (replay makes it worse); partly: it collapses")
+                 verdict, "yes: its k3 exceeds no replay's in every seed (replay makes it worse); partly: it "
+                 "collapses; inconclusive: the seeds disagree")
 
 
 def claim_r3(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     eff = window_mean(metrics, "effective/token_frac")
-    differs = window_mean(metrics, "routing/any_layer_differs")
     gt2 = window_mean(metrics, "mismatch/extreme_gt2")
-    parts, ok = [], []
+    parts, answers = [], []
     for r3, base in (("r3", "baseline"), ("deepseek_r3", "deepseek_baseline")):
         ratio, ratio_text = k3_ratio(metrics, r3, base)
         if not ratio:
             continue
         drop = paired_ratio(gt2, base, r3)
         e_r3, e_base = _arm_values(eff, r3), _arm_values(eff, base)
-        parts.append(f"{r3}: k3 {ratio_text} of {base}, tokens with ratio > 2 down {_fmt_ratio(drop)}, "
-                     f"tokens with gradient {_fmt_values(e_r3)} vs {_fmt_values(e_base)}, re-routed in ≥ 1 layer "
-                     f"without replay {_fmt_values(_arm_values(differs, base))}")
-        ok.append(np.median(ratio) < 0.5 and abs(np.mean(e_r3) - np.mean(e_base)) < 0.01)
-    verdict = "not tested" if not ok else "yes" if all(ok) else "partly" if any(ok) else "no"
-    return Claim("R3 mapped by global layer number reduces the mismatch without shrinking the effective sample set",
-                 "R3 paper, Mind Lab", "~94 % of tokens differ in ≥ 1 router without R3; tokens with ratio > 2 drop ~10×",
+        parts.append(f"k3 {r3} / {base} {ratio_text}, tokens with ratio > 2 down {_fmt_ratio(drop)}, "
+                     f"tokens with gradient {_fmt_values(e_r3)} vs {_fmt_values(e_base)}")
+        halves = verdicts.by_threshold(ratio, 0.5, above=verdicts.NO, below=verdicts.YES)
+        keeps = abs(np.mean(e_r3) - np.mean(e_base)) < 0.01
+        answers.append(halves if keeps or halves != verdicts.YES else verdicts.NO)
+    if not answers:
+        verdict = verdicts.NOT_TESTED
+    elif verdicts.INCONCLUSIVE in answers:
+        verdict = verdicts.INCONCLUSIVE
+    else:
+        verdict = (verdicts.YES if all(a == verdicts.YES for a in answers)
+                   else verdicts.PARTLY if verdicts.YES in answers else verdicts.NO)
+    return Claim("R3 mapped by global layer number reduces the mismatch and the extreme tokens without shrinking "
+                 "the effective sample set", "R3 paper, Mind Lab", "tokens with ratio > 2 drop ~10×",
                  "; ".join(parts) or "n/a", verdict,
-                 "yes: R3 halves k3 (median over seeds) and keeps the share of tokens with gradient within 1 point, "
-                 "on both presets; partly: on one")
+                 "yes: R3 halves k3 in every seed and keeps the share of tokens with gradient within 1 point, on "
+                 "both presets; partly: on one; inconclusive: the seeds straddle half")
+
+
+PAPER_REROUTED = 0.94  # the R3 paper: share of tokens routed differently in >= 1 router without R3
+
+
+def claim_rerouted(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
+    differs = window_mean(metrics, "routing/any_layer_differs")
+    parts, values = [], []
+    for base in ("baseline", "deepseek_baseline"):
+        v = _arm_values(differs, base)
+        if v:
+            parts.append(f"{base}: {_fmt_values(v)} (seeds {min(v):.3f}–{max(v):.3f})")
+            values += v
+    verdict = verdicts.by_threshold(values, PAPER_REROUTED / 2)
+    return Claim("without R3, nearly every token is routed differently in at least one MoE layer", "R3 paper",
+                 f"~{PAPER_REROUTED:.0%} of tokens differ in ≥ 1 router (48-layer Qwen3-30B-A3B)",
+                 "tokens re-routed in ≥ 1 MoE layer without replay (8 MoE layers here): " + ("; ".join(parts) or "n/a"),
+                 verdict, f"yes: at least half the paper's share ({PAPER_REROUTED / 2:.0%}) in every seed of both "
+                 "presets; no: below it in every seed; inconclusive: the seeds straddle it")
 
 
 CLAIMS = [claim_collapse, claim_family, claim_clipping, claim_tis, claim_masking, claim_r2, claim_position_bug,
-          claim_r3]
+          claim_r3, claim_rerouted]
 
 
 def finished(metrics: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -119,8 +120,9 @@ class RolloutConfig:
     """The rollout engine: its own copy of the policy, in its own precision."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    # fp8: e4m3 weights with per-channel scales, computed in bf16 (an FP8 rollout, W8A16).
-    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    # Quantised rollouts (moerl.rollout.precision), weights rounded through their format, computed in
+    # bf16: fp8 (e4m3, per-channel), int8 (per-channel, FlashRL), nvfp4 (e2m1, 16-blocks), int4 (group 128).
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "int4"] = "bf16"
     # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
     # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
     # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
@@ -230,6 +232,10 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     eval_every: int = num(10, 0, why="0 evaluates only at the start and the end")
     eval_size: int = num(512, 1)
+    # Who measures held-out accuracy: ``rollout`` (the arm's own engine, in the arm's precision) or
+    # ``fp32`` (the trained policy itself, in fp32, the same evaluator for every arm): comparing arms
+    # of different rollout precisions by their own engines mixes the evaluator's precision into the gap.
+    eval_precision: Literal["rollout", "fp32"] = "rollout"
     checkpoint_every: int = num(10, 0, why="0 checkpoints only at the end")
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = num(10, 0, why="0 saves no token samples")
@@ -314,7 +320,7 @@ def config_hash(cfg: ExperimentConfig) -> str:
 # Keys added after runs were recorded, with the value those runs computed with: a recorded identity
 # that lacks one is read as having this value (so an old run still resumes, and is not taken for a
 # run of the new default).
-LEGACY_VALUES = {"rollout.kernels": "native"}
+LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout"}
 
 
 def with_legacy_values(identity: dict) -> dict:
@@ -473,13 +479,34 @@ def to_dict(cfg: Any) -> dict:
     return _lists(out)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader keeps the last of two equal keys silently; a config must not."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                continue  # the base loader refuses unhashable keys with its own message
+            if key in seen:
+                raise ConfigError(f"key '{key}' appears twice (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if data is None:  # an empty arm file would otherwise run as the defaults, named 'baseline'
+        raise ConfigError(f"{path}: empty config file (expected a mapping, e.g. 'base: ../base.yaml' and the "
+                          f"arm's keys)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
@@ -513,8 +540,10 @@ def parse_override(item: str) -> dict:
         raise ConfigError(f"override '{item}': expected key.path=value")
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"override '{item}': {' '.join(str(err).split())}") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as err:  # the value is parsed as YAML
+        problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ConfigError(f"command-line override '{item}': the value is not valid YAML ({problem}); "
+                          f"quote it or fix the brackets") from None
 
 
 def _has_key(data: dict, key: str) -> bool:
@@ -572,8 +601,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         sources = [src for src, data in layers if _has_key(data, err.key)]
         raise ConfigError(f"{sources[-1] if sources else main}: {err}") from None
     except ConfigError as err:
-        raise ConfigError(f"{main}: {err}") from None
+        raise ConfigError(f"{_blamed_layer(str(err), layers, main)}: {err}") from None
     return cfg
+
+
+_SECTIONS = "|".join(k for k, hint in get_type_hints(ExperimentConfig).items() if dataclasses.is_dataclass(hint))
+
+
+def _blamed_layer(message: str, layers: list[tuple[str, dict]], main: str) -> str:
+    """The last layer (file or override) that sets a key a cross-field check names, else ``main``."""
+    keys = re.findall(rf"\b(?:{_SECTIONS})\.[a-z_0-9]+", message)
+    sources = [src for src, data in layers if any(_has_key(data, k) for k in keys)]
+    return sources[-1] if sources else main
 
 
 def loss_checks(lo: LossConfig) -> list[tuple[bool, str]]:
@@ -604,6 +643,34 @@ def loss_checks(lo: LossConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def model_checks(m: ModelConfig) -> list[tuple[bool, str]]:
+    """Shape relations the transformers model classes need (they fail deep in a forward otherwise,
+    naming no key). DeepSeek-V3 derives its MLA sizes from hidden_size and head_dim (moerl.models.presets)."""
+    ds = m.preset == "deepseek_v3"
+    per_group = m.num_experts // m.n_group if m.n_group else 0
+    return [
+        (ds or m.num_heads % m.num_kv_heads == 0,
+         f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads} "
+         f"(grouped-query attention shares each key/value head among num_heads / num_kv_heads heads)"),
+        (ds or m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)"),
+        (not ds or m.head_dim % 4 == 0,
+         f"model.head_dim={m.head_dim} must be a multiple of 4 with model.preset=deepseek_v3 (half of it is the "
+         f"rotary part, which rotates pairs)"),
+        (not ds or m.hidden_size >= 4,
+         f"model.hidden_size={m.hidden_size} must be >= 4 with model.preset=deepseek_v3 (its kv_lora_rank is "
+         f"hidden_size // 4)"),
+        (m.experts_implementation != "grouped_mm" or (m.hidden_size % 8 == 0 and m.moe_intermediate_size % 8 == 0),
+         f"model.hidden_size={m.hidden_size} and model.moe_intermediate_size={m.moe_intermediate_size} must be "
+         f"multiples of 8 with model.experts_implementation=grouped_mm (16-byte strides in bf16), or use eager"),
+        (not ds or m.num_experts % m.n_group != 0 or per_group >= 2,
+         f"model.num_experts={m.num_experts} / model.n_group={m.n_group} must leave at least 2 experts per group "
+         f"(deepseek_v3 scores a group by its 2 best experts)"),
+        (not ds or m.num_experts % m.n_group != 0 or m.top_k <= m.topk_group * per_group,
+         f"model.top_k={m.top_k} must be <= model.topk_group={m.topk_group} x {per_group} experts per group "
+         f"(model.num_experts / model.n_group): routing picks top_k experts within the topk_group best groups"),
+    ]
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a type hint cannot express; each names the key and the rule."""
     m, r, t, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.loss
@@ -614,6 +681,7 @@ def validate(cfg: ExperimentConfig) -> None:
          "model.num_experts must be divisible by model.n_group (deepseek_v3)"),
         (m.preset != "deepseek_v3" or m.first_k_dense < m.num_layers,
          "model.first_k_dense must be < model.num_layers"),
+        *model_checks(m),
         (r.group_size >= 2, "rollout.group_size must be >= 2 (GRPO normalises within a group)"),
         (r.temperature > 0, "rollout.temperature must be > 0"),
         (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
@@ -631,9 +699,9 @@ def validate(cfg: ExperimentConfig) -> None:
          "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels"),
         (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
          "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
-        (not (r.dtype == "fp8" and cfg.refit.mode == "merged"),
-         "rollout.dtype=fp8 needs refit.mode=adapter (the engine rounds its base through e4m3 once; a merged "
-         "refit would overwrite it with unrounded weights)"),
+        (not (r.dtype in ("fp8", "int8", "nvfp4", "int4") and cfg.refit.mode == "merged"),
+         f"rollout.dtype={r.dtype} needs refit.mode=adapter (the engine quantises its base once; a merged "
+         "refit would overwrite it with unquantised weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]

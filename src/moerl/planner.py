@@ -206,6 +206,11 @@ def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str
     (Bridge regex ``.*experts.*linear_fc[12]``). Routed experts get one adapter per layer shared
     by all of that layer's experts (``share_expert_adapters=True``, the Bridge default) or one per
     expert (``per_expert``); ``normalize_moe_lora`` divides the expert rank by top-k.
+
+    These are *trained* parameters. Under EP, Megatron-Bridge (>= 0.5.1; peft/utils.py
+    ParallelLinearAdapter) stores the shared adapter once on every EP rank but keeps the copies
+    identical (broadcast from EP rank 0 when built, gradients summed over EP), so the count does
+    not depend on EP; the memory plan counts the copies (``plan``: replicated on each EP rank).
     """
     if expert_mode not in EXPERT_ADAPTER_MODES:
         raise PlanError(f"expert adapter mode must be one of {EXPERT_ADAPTER_MODES}, got {expert_mode!r}")
@@ -385,7 +390,10 @@ def plan(cfg: dict, layout: Layout) -> Plan:
         trainer.append(MemoryLine("LoRA params (bf16)", lora_per_gpu * wb / GIB))
         # fp32 main grads + Adam fp32 master, m, v: 4 + 12 bytes, distributed optimizer over DP
         trainer.append(MemoryLine("LoRA grads (fp32)", lora_per_gpu * 4 / GIB))
-        optim = lora_per_gpu * 12 / max(1, layout.dp) / GIB
+        # expert parameters (routed-expert adapters, shared or not) are sharded by the distributed
+        # optimizer over the expert-data-parallel group, the rest over DP (megatron-core
+        # optimizer/__init__.py: expert param groups use intra_expt_dp_group)
+        optim = ((lora_per_gpu - routed_l) * 12 / max(1, layout.dp) + routed_l * 12 / max(1, layout.edp)) / GIB
         trainer.append(MemoryLine("optimizer states (fp32 master+Adam, sharded over DP)", optim))
     else:
         full = per_gpu

@@ -57,8 +57,7 @@ METRIC_LABELS = {
     "mismatch/k3_max": "k3 KL, worst token",
     "mismatch/dp_max": "max |p_trainer - p_rollout|",
     "mismatch/extreme_frac": "extreme-token fraction",
-    "routing/disagreement": "routing disagreement",
-    "routing/agreement": "routing agreement (native)",
+    "routing/disagreement": "routing disagreement (mean over MoE layers)",
     "routing/replayed_agreement": "replayed agreement",
     "grad_norm": "gradient norm",
     "clip/frac": "PPO clip fraction",
@@ -68,7 +67,9 @@ METRIC_LABELS = {
     "effective/token_frac": "tokens with gradient",
     "routing/any_layer_differs": "tokens re-routed in >= 1 MoE layer",
     "routing/differing_layers_mean": "re-routed MoE layers per token",
-    "routing/agreement": "routing agreement, trainer-native vs rollout",
+    "routing/agreement": "routing agreement, native vs rollout\n(per layer, mean over MoE layers)",
+    "routing/all_layers_agree": "tokens agreeing in all MoE layers",
+    "reward/mixed_group_frac": "groups with mixed rewards (carry a gradient)",
     "refit/seconds": "refit seconds",
     "eval/pass1": "held-out pass@1 (T=1)",
     "eval/greedy": "held-out greedy accuracy",
@@ -89,8 +90,14 @@ def arm_color(arm: str):
 @dataclass
 class Question:
     """One figure: ``title`` (the question), the ``arms`` it compares and the ``metrics`` it draws.
-    ``kind``: ``curves`` (metrics over training; a reward panel marks each run's collapse step) or
-    ``tau_curve`` (the extreme-token curve F(tau) of each arm, from its ``mismatch/extreme_gt*``)."""
+    ``kind``: ``curves`` (metrics over training; a reward panel marks each run's collapse step),
+    ``tau_curve`` (the extreme-token curve F(tau) of each arm, from its ``mismatch/extreme_gt*``),
+    ``relative`` (the first metric over training divided by the same family's baseline on the same
+    seed, one panel per entry of ``panels``) or ``collapse`` (the collapse definition drawn: smoothed
+    reward, its threshold and each run's collapse step, one panel per entry of ``panels``).
+    ``caption``: a sentence under the figure (what it does not show, how to read it). ``paper``: a
+    source's number to draw beside the runs, ``{value, label}`` (a horizontal line) or
+    ``{scale, arms, label}`` (those arms' curve times ``scale``, e.g. 0.1 for "10x fewer")."""
 
     name: str
     title: str
@@ -98,9 +105,12 @@ class Question:
     metrics: list[str] = field(default_factory=lambda: ["reward/mean", "mismatch/k3", "routing/disagreement"])
     reference: str = "baseline"
     kind: str = "curves"
+    caption: str = ""
+    paper: list[dict] = field(default_factory=list)
+    panels: list[dict] = field(default_factory=list)
 
 
-QUESTION_KINDS = ("curves", "tau_curve")
+QUESTION_KINDS = ("curves", "tau_curve", "relative", "collapse")
 
 
 def load_questions(experiment: str, experiments_dir: str | Path | None = None) -> list[Question]:
@@ -115,7 +125,7 @@ def load_questions(experiment: str, experiments_dir: str | Path | None = None) -
         missing = [k for k in ("name", "title", "arms") if k not in entry]
         if missing:
             raise ValueError(f"{path}: questions[{i}] lacks {missing} (expected name, title, arms[, metrics, reference])")
-        unknown = set(entry) - {"name", "title", "arms", "metrics", "reference", "kind"}
+        unknown = set(entry) - {"name", "title", "arms", "metrics", "reference", "kind", "caption", "paper", "panels"}
         if unknown:
             raise ValueError(f"{path}: questions[{i}] has unknown key(s) {sorted(unknown)}")
         if entry.get("kind", "curves") not in QUESTION_KINDS:
@@ -147,6 +157,30 @@ def _legend_outside(fig: plt.Figure, axes, arms: list[str] | None = None) -> Non
                    fontsize=8, frameon=False)
 
 
+def add_caption(fig: plt.Figure, text: str, width: int = 0) -> None:
+    """``text`` under the figure, wrapped to its width (saved with bbox_inches='tight')."""
+    if not text:
+        return
+    import textwrap
+
+    width = width or max(int(fig.get_figwidth() * 15), 110)  # the legend beside the axes widens the saved figure
+    fig.text(0.01, 0.0, textwrap.fill(text, width), ha="left", va="top", fontsize=8, style="italic",
+             transform=fig.transFigure)
+
+
+def _log_or_symlog(ax, values: np.ndarray) -> None:
+    """Log scale; symlog when some values are 0 (a log axis would drop them), linear below the
+    smallest positive value."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    positive = v[v > 0]
+    if v.size and (v <= 0).any() and positive.size:
+        ax.set_yscale("symlog", linthresh=float(positive.min()))
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_yscale("log")
+
+
 def _band(ax, df: pd.DataFrame, key: str, label: str, smooth: int = 1, **kw):
     sub = df[["step", "seed", key]].dropna()
     if sub.empty:
@@ -174,13 +208,16 @@ def _collapse_marks(ax, df: pd.DataFrame, arm: str, smooth: int) -> None:
 
 
 def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: int = 1,
-           log_keys: tuple[str, ...] = (), arms: list[str] | None = None) -> plt.Figure:
+           log_keys: tuple[str, ...] = (), arms: list[str] | None = None,
+           paper: list[dict] | None = None) -> plt.Figure:
     """One panel per (metric key, panel title); one line (+ seed band) per arm, in the arm's fixed
     colour; ``arms`` selects and orders the arms (default: all, alphabetically). A training-reward
-    panel marks each run that collapsed (moerl.collapse) with an x at its collapse step."""
+    panel marks each run that collapsed (moerl.collapse) with an x at its collapse step. A log
+    panel with zeros is drawn symlog, so the zeros stay on the axis. ``paper``: horizontal lines
+    ``{value, label}`` (a source's number)."""
     arms = arms or sorted(df["arm"].unique())
     df = df[df["arm"].isin(arms)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(3.3 * len(panels), 5.0), 3.0), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels):
         for arm in arms:
             sub = df[df["arm"] == arm]
@@ -190,8 +227,11 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
                     _collapse_marks(ax, sub, arm, smooth)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("GRPO step")
+        for ref in paper or []:
+            if "value" in ref:
+                ax.axhline(ref["value"], color="k", lw=1.0, ls="-.", label=ref.get("label", "source"))
         if key in log_keys:
-            ax.set_yscale("log")
+            _log_or_symlog(ax, df[key].to_numpy(dtype=float) if key in df else np.array([]))
         ax.grid(alpha=0.3)
     _legend_outside(fig, axes, arms)
     fig.suptitle(title, fontsize=11)
@@ -199,9 +239,11 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
     return fig
 
 
-def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None) -> plt.Figure:
+def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None, paper: list[dict] | None = None) -> plt.Figure:
     """F(tau): the share of response tokens with max(rho, 1/rho) > tau, rho = pi_old / pi_rollout, per arm
-    (mean over its steps, one point per seed and the mean over seeds as the line), on log-log axes."""
+    (mean over its steps, one point per seed and the mean over seeds as the line), on log-log axes.
+    ``paper``: ``{scale, arms, label}`` draws those arms' curves times ``scale`` (a source's "10x
+    fewer" is scale 0.1), dashed in the arm's colour."""
     keys = sorted((float(c.removeprefix("mismatch/extreme_gt")), c) for c in df.columns
                   if c.startswith("mismatch/extreme_gt"))
     if not keys:
@@ -221,6 +263,14 @@ def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None) -> pl
         ax.plot(taus, mean, marker="o", color=arm_color(arm), label=arm, lw=1.5)
         for row in per_seed.values:
             ax.scatter(taus, row, s=8, color=arm_color(arm), alpha=0.45)
+        for ref in paper or []:
+            if "scale" in ref and arm in ref.get("arms", []):
+                scaled = mean * float(ref["scale"])
+                positive = scaled[scaled > 0]
+                if positive.size:
+                    floor = positive.min() if floor is None else min(floor, positive.min())
+                ax.plot(taus, scaled, ls="--", lw=1.0, color=arm_color(arm),
+                        label=f"{arm} × {float(ref['scale']):g}: {ref.get('label', 'source')}")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=(floor or 1e-6) / 2)  # an arm with no extreme token sits at 0
     ax.set_ylim(bottom=0)
@@ -235,35 +285,179 @@ def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None) -> pl
     return fig
 
 
-def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5) -> plt.Figure:
-    """The figure of one question: its metrics over training for its arms, or its F(tau) curve."""
+def _rolling_median(wide: pd.DataFrame, window: int) -> pd.DataFrame:
+    return wide.rolling(window, min_periods=1).median() if window > 1 else wide
+
+
+FLOOR_RATIO = 1e-3  # an arm below this fraction of its family baseline's k3 is at the numerical floor (fp32)
+
+
+def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: dict[str, str], title: str,
+                    smooth: int = 20, caption: str = "") -> plt.Figure:
+    """``key`` of each arm divided by that of its family's baseline (``references``: arm -> its
+    reference arm) on the same seed, step by step, after a rolling median over ``smooth`` steps
+    (per-step k3 is heavy-tailed); line = geometric mean over seeds, band = min-max. One panel per
+    ``{title, arms}`` of ``panels``. An arm at the numerical floor (fp32 rollout, below FLOOR_RATIO
+    of its baseline) is named in a note rather than drawn: it would stretch the axis by decades."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        notes = []
+        for arm in panel["arms"]:
+            ref = references.get(arm)
+            if ref is None or ref == arm or arm not in set(df["arm"]) or ref not in set(df["arm"]):
+                continue
+            a = _rolling_median(df[df["arm"] == arm].pivot_table(index="step", columns="seed", values=key), smooth)
+            b = _rolling_median(df[df["arm"] == ref].pivot_table(index="step", columns="seed", values=key), smooth)
+            seeds = [c for c in a.columns if c in b.columns]
+            ratio = (a[seeds] / b[seeds]).replace([np.inf, -np.inf], np.nan)
+            ratio = ratio.where(ratio > 0)
+            if ratio.dropna(how="all").empty:
+                continue
+            center = np.exp(np.log(ratio).mean(axis=1))
+            if float(center.median()) < FLOOR_RATIO:
+                notes.append(f"{arm}: ~{float(center.median()):.0e}× {ref} (numerical floor, not drawn)")
+                continue
+            line, = ax.plot(center.index, center.values, color=arm_color(arm), lw=1.4, label=f"{arm} / {ref}")
+            if ratio.shape[1] > 1:
+                ax.fill_between(ratio.index, ratio.min(axis=1), ratio.max(axis=1), color=line.get_color(), alpha=0.15)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        if notes:
+            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\n÷ same family's baseline, same seed", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    add_caption(fig, caption or f"Each step: rolling median of {key} over {smooth} steps, divided by the family "
+                "baseline's on the same seed; line = geometric mean over seeds, band = min-max over seeds.")
+    return fig
+
+
+def collapse_figure(df: pd.DataFrame, panels: list[dict], title: str, caption: str = "") -> plt.Figure:
+    """The collapse definition (moerl.collapse) drawn per arm: the WINDOW-step mean training reward
+    (line: mean over seeds, band: min-max over seeds), its threshold (dotted: FRACTION of the
+    running peak, mean over seeds) and an x at each run's collapse step. fp32-rollout arms (no
+    rollout mismatch) are dashed, so the controls read apart from the mismatched arms."""
+    from moerl.collapse import FRACTION, WINDOW, collapse_step, rolling_mean
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False, sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        for arm in panel["arms"]:
+            sub = df[df["arm"] == arm]
+            if sub.empty:
+                continue
+            fp32 = "fp32" in arm
+            smooth, thresh = {}, {}
+            for seed, run in sub.groupby("seed"):
+                run = run.sort_values("step")
+                mean = pd.Series(rolling_mean(run["reward/mean"].to_numpy(dtype=float), WINDOW), index=run["step"])
+                smooth[seed] = mean
+                thresh[seed] = FRACTION * mean.cummax()
+                step = collapse_step(run.to_dict("records"))
+                if step is not None:
+                    ax.plot([step], [mean.get(step, np.nan)], marker="x", ms=9, mew=2.2, color=arm_color(arm),
+                            ls="none", label="_collapse")
+            wide, lim = pd.DataFrame(smooth), pd.DataFrame(thresh)
+            ax.plot(wide.index, wide.mean(axis=1), color=arm_color(arm), lw=2.0 if fp32 else 1.4,
+                    ls="--" if fp32 else "-", label=arm)
+            if wide.shape[1] > 1:
+                ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=arm_color(arm), alpha=0.15)
+            ax.plot(lim.index, lim.mean(axis=1), color=arm_color(arm), lw=0.9, ls=":")
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    axes[0][0].set_ylabel(f"training reward, {WINDOW}-step mean", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    add_caption(fig, caption or f"Line: {WINDOW}-step mean training reward, mean over seeds; band: min-max over seeds; "
+                f"dotted: the collapse threshold, {FRACTION:g} × the running peak of the {WINDOW}-step mean (mean over "
+                "seeds); x: a run's collapse step (below the threshold and never back above it). Dashed: fp32 "
+                "rollout (no rollout mismatch).")
+    return fig
+
+
+def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5,
+                    references: dict[str, str] | None = None) -> plt.Figure:
+    """The figure of one question: its metrics over training for its arms, its F(tau) curve, its
+    metric relative to each family's baseline (``references``: arm -> baseline arm;
+    moerl.results.family_references), or the collapse definition drawn."""
+    panels_of = question.panels or [{"title": "", "arms": question.arms}]
     if question.kind == "tau_curve":
-        return tau_curve(df, question.title, question.arms)
-    panels = [(k, METRIC_LABELS.get(k, k)) for k in question.metrics if k in df and df[k].notna().any()]
-    if not panels:
-        raise KeyError(f"question '{question.name}': none of its metrics {question.metrics} was recorded")
-    return curves(df, panels, question.title, smooth=smooth, log_keys=tuple(LOG_METRICS),
-                  arms=[a for a in question.arms if a in set(df["arm"])])
+        fig = tau_curve(df, question.title, question.arms, paper=question.paper)
+    elif question.kind == "relative":
+        refs = references or {a: question.reference for a in question.arms}
+        fig = relative_curves(df, question.metrics[0], panels_of, refs, question.title, caption=question.caption)
+        return fig
+    elif question.kind == "collapse":
+        return collapse_figure(df, panels_of, question.title, caption=question.caption)
+    else:
+        panels = [(k, METRIC_LABELS.get(k, k)) for k in question.metrics if k in df and df[k].notna().any()]
+        if not panels:
+            raise KeyError(f"question '{question.name}': none of its metrics {question.metrics} was recorded")
+        fig = curves(df, panels, question.title, smooth=smooth, log_keys=tuple(LOG_METRICS),
+                     arms=[a for a in question.arms if a in set(df["arm"])], paper=question.paper)
+    add_caption(fig, question.caption)
+    return fig
 
 
-def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None) -> plt.Figure:
-    """Mean routing disagreement (trainer native top-k vs rollout top-k) per MoE layer and arm."""
+def _outliers(values: dict[str, float], factor: float = 5.0) -> set[str]:
+    """Keys whose value exceeds ``factor`` times the median of the others: an arm (a broken replay)
+    that would set a shared axis and flatten every other arm."""
+    out = set()
+    for k, v in values.items():
+        others = [x for kk, x in values.items() if kk != k and np.isfinite(x)]
+        if others and np.isfinite(v) and v > factor * max(np.median(others), 1e-12):
+            out.add(k)
+    return out
+
+
+def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None,
+                     presets: dict[str, str] | None = None) -> plt.Figure:
+    """Share of tokens whose trainer-native top-k differs from the rollout's, per MoE layer and arm.
+    The x axis is the global layer number for every preset (a DeepSeek-V3-style model's first
+    layers are dense and have no router, so its bars start later). One panel per preset
+    (``presets``: arm -> preset); an arm far above the rest of its panel is drawn clipped, its
+    values written on its bars."""
     cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
                   key=lambda c: int(c.rsplit("layer", 1)[1]))
     arms = [a for a in (arms or sorted(df["arm"].unique())) if a in set(df["arm"])]
-    shown = df[df["arm"].isin(arms)]
-    cols = [c for c in cols if shown[c].notna().any()]  # MoE layers no shown arm has (a shallower model)
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    width = 0.8 / max(len(arms), 1)
-    for i, arm in enumerate(arms):
-        sub = df[df["arm"] == arm]
-        vals = [1 - sub[c].mean() if c in sub and sub[c].notna().any() else np.nan for c in cols]
-        ax.bar(np.arange(len(cols)) + i * width, vals, width, label=arm, color=arm_color(arm))
-    ax.set_xticks(np.arange(len(cols)) + 0.4 - width / 2, [c.rsplit("/", 1)[1] for c in cols])
-    ax.set_ylabel("tokens whose top-k differs")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3, axis="y")
-    _legend_outside(fig, [ax], arms)
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        groups.setdefault((presets or {}).get(arm, ""), []).append(arm)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.8 * len(groups) + 0.6, 4.0), squeeze=False)
+    for ax, (preset, members) in zip(axes[0], groups.items()):
+        shown = df[df["arm"].isin(members)]
+        layers = [c for c in cols if shown[c].notna().any()]
+        numbers = [int(c.rsplit("layer", 1)[1]) for c in layers]
+        vals = {arm: np.array([1 - shown.loc[shown["arm"] == arm, c].mean() for c in layers]) for arm in members}
+        peaks = {arm: float(np.nanmax(v)) if np.isfinite(v).any() else np.nan for arm, v in vals.items()}
+        clipped = _outliers(peaks)
+        top = max([p for a, p in peaks.items() if a not in clipped and np.isfinite(p)] or [1.0]) * 1.3
+        width = 0.8 / max(len(members), 1)
+        for i, arm in enumerate(members):
+            x = np.array(numbers) + (i - (len(members) - 1) / 2) * width
+            v = vals[arm]
+            ax.bar(x, np.minimum(v, top), width, color=arm_color(arm), hatch="//" if arm in clipped else None,
+                   label=arm + (" (clipped, values on bars)" if arm in clipped else ""))
+            if arm in clipped:
+                for xi, vi in zip(x, v):
+                    if np.isfinite(vi):
+                        ax.text(xi, top * 0.5, f"{vi:.2f}", rotation=90, ha="center", va="center", fontsize=7,
+                                bbox=dict(facecolor="white", edgecolor="none", pad=0.5))
+        ax.set_ylim(0, top)
+        ax.set_xticks(numbers, [str(n) for n in numbers], fontsize=8)
+        ax.set_xlabel("global layer number (layers without a router not shown)", fontsize=8)
+        ax.set_title(f"{preset} preset" if preset else title, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    axes[0][0].set_ylabel("tokens whose native top-k\ndiffers from the rollout's", fontsize=8)
+    if len(groups) > 1 or next(iter(groups)):
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -297,22 +491,57 @@ def correction_marks(loss: dict | None) -> list[tuple[str, float, float | None, 
     return []
 
 
+LEVEL_TEXT = {"sequence": "sequence ratio: product of its token ratios",
+              "geometric": "sequence ratio: geometric mean of its token ratios"}
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values for a log axis from ``lo`` to ``hi`` that do not collide: decades over a wide
+    range, 1-2-5 steps (or finer) over a narrow one."""
+    decades = np.log10(hi / lo)
+    if decades > 2.5:
+        cands = [10.0 ** k for k in range(-8, 9)]
+    elif decades > 0.6:
+        cands = [m * 10.0 ** k for k in range(-8, 9) for m in (1, 2, 5)]
+    else:
+        cands = [round(x, 3) for x in np.linspace(lo, hi, 5)]
+    ticks = [t for t in cands if lo <= t <= hi]
+    return ticks or [lo, hi]
+
+
 def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str = "",
-                     arms: list[str] | None = None, losses: dict[str, dict] | None = None) -> plt.Figure:
+                     arms: list[str] | None = None, losses: dict[str, dict] | None = None,
+                     caption: str = "") -> plt.Figure:
     """Per arm, the distribution of a per-token weight from samples/*.npz (all steps and seeds),
     on a log-x axis: 1 is no mismatch. ``losses`` (arm -> loss config) adds what each correction
-    acts on: the TIS cap, the MIS / IcePop keep band (shaded)."""
+    acts on: the TIS cap, the MIS / IcePop keep band (shaded). An arm whose loss works on a
+    sequence-level ratio (MIS) is histogrammed per sequence, and its axis says so. Panels of a row
+    share their y scale."""
+    from moerl.results import is_level
+
     arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
-    fig, axes = _arm_grid(arms)
-    vals = samples.loc[samples["arm"].isin(arms), key].to_numpy(dtype=float)
-    vals = vals[np.isfinite(vals) & (vals > 0)]
+    n = max(len(arms), 1)
+    ncols = min(4, n)
+    nrows = -(-n // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(2.8 * ncols, 2.7 * nrows), squeeze=False, sharey="row")
+    for ax in grid.flat[n:]:
+        ax.set_visible(False)
+    axes = list(grid.flat[:n])
+    per_arm = {}
+    for arm in arms:
+        sub = samples[samples["arm"] == arm]
+        level = is_level((losses or {}).get(arm))
+        if level != "token" and "sample" in sub:
+            sub = sub.drop_duplicates(["seed", "step", "sample"])  # one value per sequence
+        x = sub[key].to_numpy(dtype=float)
+        per_arm[arm] = (x[np.isfinite(x) & (x > 0)], level)
+    vals = np.concatenate([v for v, _ in per_arm.values()]) if per_arm else np.array([])
     lo, hi = (np.quantile(vals, [0.0, 1.0]) if vals.size else (0.5, 2.0))
     lo, hi = min(lo, 0.4), max(hi, 2.5)
     bins = np.geomspace(lo, hi, 80)
-    ticks = [t for t in (1e-4, 1e-3, 1e-2, 0.1, 0.5, 1, 2, 5, 10, 100) if lo <= t <= hi]
+    ticks = _log_ticks(lo, hi)
     for ax, arm in zip(axes, arms):
-        x = samples.loc[samples["arm"] == arm, key].to_numpy(dtype=float)
-        x = x[np.isfinite(x) & (x > 0)]
+        x, level = per_arm[arm]
         ax.hist(x, bins=bins, color=arm_color(arm), alpha=0.85)
         ax.axvline(1.0, color="k", lw=0.8, ls="--")
         for kind, a, b, label in correction_marks((losses or {}).get(arm)):
@@ -331,10 +560,15 @@ def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str =
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.tick_params(axis="y", labelsize=7)
         q = np.quantile(x, [0.01, 0.99]) if x.size else (np.nan, np.nan)
-        ax.set_title(f"{arm}\np1={q[0]:.3g}  p99={q[1]:.3g}  n={x.size}", fontsize=8)
-        ax.set_xlabel(key, fontsize=8)
+        unit = "tokens" if level == "token" else "sequences"
+        ax.set_title(f"{arm}\np1={q[0]:.3g}  p99={q[1]:.3g}  n={x.size} {unit}", fontsize=8)
+        ax.set_xlabel(LEVEL_TEXT.get(level, f"per-token {key}"), fontsize=7 if level != "token" else 8)
+    for row in grid:
+        row[0].set_ylabel("count (log)", fontsize=8)
+        row[0].set_ylim(bottom=0.7)
     fig.suptitle(title or f"per-token {key} (all sampled steps and seeds)", fontsize=10)
     fig.tight_layout()
+    add_caption(fig, caption)
     return fig
 
 
@@ -356,6 +590,13 @@ def quantiles_over_time(samples: pd.DataFrame, key: str = "raw_ratio",
     table = sample_quantiles(samples[samples["arm"].isin(arms)], key, qs)
     fig, ax = plt.subplots(figsize=(6.0, 3.3))
     cols = [f"q{q:g}" for q in qs]
+    # An arm whose spread is many times the others' (a broken replay) would set the axis for all:
+    # it is left out and named under the figure.
+    spread = {arm: float(np.nanmedian(np.abs(np.log(table.loc[table["arm"] == arm, cols[-1]]
+                                                       / table.loc[table["arm"] == arm, cols[0]]))))
+              for arm in arms}
+    left_out = sorted(_outliers(spread, factor=100.0))
+    arms = [a for a in arms if a not in left_out]
     for arm in arms:
         sub = table[table["arm"] == arm]
         color = arm_color(arm)
@@ -374,6 +615,10 @@ def quantiles_over_time(samples: pd.DataFrame, key: str = "raw_ratio",
     ax.grid(alpha=0.3)
     _legend_outside(fig, [ax], arms)
     fig.tight_layout()
+    if left_out:
+        add_caption(fig, "Not drawn (spread over 100× the other arms', it would set the scale): "
+                    + ", ".join(f"{a} (median p{qs[0] * 100:g}-p{qs[-1] * 100:g} log-spread {spread[a]:.2g} vs "
+                                f"{np.median([spread[b] for b in arms]):.2g})" for a in left_out) + ".")
     return fig
 
 
@@ -381,11 +626,14 @@ def logprob_scatter(samples: pd.DataFrame, title: str = "", max_points: int = 40
                     arms: list[str] | None = None) -> plt.Figure:
     """Per arm, the per-token log-ratio log pi_old - log pi_rollout against the rollout logprob of
     the same sampled token: where (at which token probabilities) the mismatch sits; red points were
-    truncated (TIS) or masked (IcePop/MIS). The y axis is shared so arms compare directly."""
+    truncated (TIS) or masked (IcePop/MIS). The y scale is shared so arms compare directly, except
+    for an arm whose spread is over 10x the others' (a broken replay): it gets its own, and says so."""
     arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
     fig, axes = _arm_grid(arms, width=2.6, height=2.5)
-    delta_all = samples["trainer_logp"] - samples["rollout_logp"]
-    span = float(np.nanquantile(np.abs(delta_all[samples["arm"].isin(arms)]), 0.9995)) or 1e-6
+    delta_all = (samples["trainer_logp"] - samples["rollout_logp"]).abs()
+    spans = {arm: float(np.nanquantile(delta_all[samples["arm"] == arm], 0.9995)) for arm in arms}
+    own = _outliers(spans, factor=10.0)
+    span = max([v for a, v in spans.items() if a not in own] or [1e-6]) or 1e-6
     for ax, arm in zip(axes, arms):
         sub = samples[samples["arm"] == arm]
         if len(sub) > max_points:
@@ -397,8 +645,10 @@ def logprob_scatter(samples: pd.DataFrame, title: str = "", max_points: int = 40
             ax.scatter(sub.loc[flagged, "rollout_logp"], delta[flagged], s=5, color="C3", label="truncated/masked")
             ax.legend(fontsize=6, loc="lower left", frameon=False)
         ax.axhline(0.0, color="k", lw=0.8, ls="--")
-        ax.set_ylim(-1.1 * span, 1.1 * span)
-        ax.set_title(arm, fontsize=9)
+        limit = (spans[arm] or 1e-6) if arm in own else span
+        ax.set_ylim(-1.1 * limit, 1.1 * limit)
+        ax.set_title(arm + ("\n(own y scale: spread > 10× the others')" if arm in own else ""), fontsize=9,
+                     color="C3" if arm in own else "k")
         ax.set_xlabel("rollout logprob", fontsize=8)
         ax.set_ylabel("log pi_old - log pi_rollout", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -479,50 +729,71 @@ def refit_figure(bench: dict, name: str = "bench_refit") -> plt.Figure:
     return fig
 
 
-def _paired_ratio(runs: pd.DataFrame, key: str, reference: str) -> pd.DataFrame:
+def _paired_ratio(runs: pd.DataFrame, key: str, reference: str | dict[str, str]) -> pd.DataFrame:
     """Per arm: the ratio of ``key`` to the reference arm's on the same seed (seeds share prompts
-    and initial weights), mean and min/max over seeds."""
+    and initial weights), mean and min/max over seeds. ``reference``: one arm for all, or arm ->
+    its reference (moerl.results.family_references: each arm against its own family's baseline)."""
     vals = runs.assign(v=pd.to_numeric(runs[key], errors="coerce")).pivot_table(index="arm", columns="seed", values="v")
-    if reference not in vals.index:
-        return pd.DataFrame(columns=["mean", "lo", "hi", "n"])
-    ratio = vals.div(vals.loc[reference], axis=1)
-    return pd.DataFrame({"mean": ratio.mean(axis=1), "lo": ratio.min(axis=1), "hi": ratio.max(axis=1),
-                         "n": ratio.notna().sum(axis=1)})
+    refs = reference if isinstance(reference, dict) else {a: reference for a in vals.index}
+    rows = {}
+    for arm in vals.index:
+        ref = refs.get(arm)
+        if ref is None or ref not in vals.index:
+            continue
+        ratio = vals.loc[arm] / vals.loc[ref]
+        rows[arm] = {"mean": ratio.mean(), "median": ratio.median(), "lo": ratio.min(), "hi": ratio.max(),
+                     "n": int(ratio.notna().sum())}
+    return pd.DataFrame.from_dict(rows, orient="index", columns=["mean", "median", "lo", "hi", "n"])
 
 
 def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | None = None,
-                   reference: str = "baseline", k3_key: str = "mean/mismatch/k3") -> plt.Figure:
-    """The headline: how much does each arm change the mismatch? Left, k3 relative to the reference
-    arm on the same seed (bar = mean, whisker = min-max over seeds); right, the share of tokens whose
-    trainer-native top-k equals the rollout's beside the share of replayed rows that took the
-    trace's experts. Arms are grouped by question (dotted separators)."""
+                   reference: str = "baseline", k3_key: str = "mean/mismatch/k3",
+                   references: dict[str, str] | None = None) -> plt.Figure:
+    """The headline: how much does each arm change the mismatch? Left, k3 relative to its own model
+    family's baseline on the same seed (bar = median over seeds, whisker = min-max; ``references``:
+    arm -> baseline arm, default moerl.results.family_references); right, per-layer routing
+    agreement averaged over MoE layers, beside the share of replayed rows that took the trace's
+    experts, on an axis zoomed to the arms that agree (an arm far below is clipped and labelled).
+    Arms are grouped by family under a heading naming the family's baseline."""
+    from matplotlib.patches import Patch
+
+    from moerl.results import family_references
+
     questions = questions or []
     arms = arm_order(runs["arm"].unique(), questions)
-    groups, seen = [], set()
-    for q in questions:
-        members = [a for a in q.arms if a in arms and a not in seen]
-        seen.update(members)
-        if members:
-            groups.append((q.name, members))
-    rest = [a for a in arms if a not in seen]
-    if rest:
-        groups.append(("other", rest))
-    order = [a for _, members in groups for a in members]
-    y = np.arange(len(order))[::-1]
-    pos = dict(zip(order, y))
-    fig, (ax_k3, ax_route) = plt.subplots(1, 2, figsize=(9.5, 0.32 * len(order) + 2.0), sharey=True)
-    ratio = _paired_ratio(runs, k3_key, reference).reindex(order)
+    if references is None:
+        references = family_references(runs) or {a: reference for a in arms}
+    presets = runs.groupby("arm")["cfg/preset"].first().to_dict() if "cfg/preset" in runs else {}
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        ref = references.get(arm, "")
+        label = (f"{presets[arm]} preset: k3 ÷ {ref}" if arm in presets else f"k3 ÷ {ref}") if ref else "no reference"
+        groups.setdefault(label, []).append(arm)
+    rows: list[tuple[str, str]] = []
+    for label, members in groups.items():
+        rows.append(("header", label))
+        rows += [("arm", a) for a in members]
+    y = np.arange(len(rows))[::-1]
+    pos = {name: yy for (kind, name), yy in zip(rows, y) if kind == "arm"}
+    order = list(pos)
+    fig, (ax_k3, ax_route) = plt.subplots(1, 2, figsize=(9.5, 0.3 * len(rows) + 2.0), sharey=True)
+    # The median over seeds of the per-seed ratios: the statistic the claims table reports.
+    ratio = _paired_ratio(runs, k3_key, references).reindex(order)
+    ratio["mean"] = ratio["median"]
     # An arm with (near-)zero mismatch (the fp32 rollout) would stretch the log axis by many decades:
     # the axis covers the others and such an arm gets a note at the left edge instead of a bar.
     shown = ratio["mean"][(ratio["mean"] > 1e-3)]
     left = min(0.5, float(shown.min()) / 1.5) if not shown.empty else 0.1
-    right = max(2.0, float(ratio["hi"][ratio["mean"] > 1e-3].max()) * 1.6) if not shown.empty else 10.0
+    right = max(2.0, float(ratio["hi"][ratio["mean"] > 1e-3].max()) * 8) if not shown.empty else 10.0
     for arm in order:
         r = ratio.loc[arm]
         if not r["mean"] == r["mean"]:
             continue
+        if arm == references.get(arm):
+            ax_k3.text(left * 1.05, pos[arm], "reference (1×)", va="center", fontsize=7)
+            continue
         if r["mean"] <= 1e-3:
-            ax_k3.text(left * 1.05, pos[arm], f"{r['mean']:.1g}× (no mismatch)", va="center", fontsize=7)
+            ax_k3.text(left * 1.05, pos[arm], f"{r['mean']:.1g}× (numerical floor)", va="center", fontsize=7)
             continue
         ax_k3.barh(pos[arm], r["mean"], color=arm_color(arm), height=0.7)
         if r["n"] > 1:
@@ -531,41 +802,58 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
                    va="center", fontsize=7)
     ax_k3.set_xscale("log")  # first: setting the scale resets the axis' locators and formatters
     ax_k3.set_xlim(left, right)
-    # 1-2-5 ticks over a few decades; over more (a broken arm at 1e4x), one tick per decade stays legible.
+    # 1-2-5 ticks over a few decades; over more (a broken arm at 1e3x), one tick per decade stays legible.
     subs = (1.0, 2.0, 5.0) if np.log10(right / left) <= 3 else (1.0,)
     ax_k3.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs))
-    ax_k3.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g×"))
+    # Long labels (1000×, 10000×) collide on a narrow axis: powers of ten from 1000 up as 1e3×.
+    ax_k3.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"1e{np.log10(v):.0f}×" if v >= 1e3 and float(np.log10(v)).is_integer() else f"{v:g}×"))
     ax_k3.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_k3.axvline(1.0, color="k", lw=0.8, ls="--")
-    statistic = "run-median " if k3_key.startswith("median/") else ""
-    ax_k3.set_xlabel(f"{statistic}k3 KL relative to {reference} (same seed)", fontsize=9)
-    ax_k3.set_yticks(y, order, fontsize=8)
-    from matplotlib.patches import Patch
+    statistic = "run-median " if k3_key.startswith("median/") else "run-mean "
+    ax_k3.set_xlabel(f"{statistic}k3 KL ÷ its family's baseline (same seed)", fontsize=9)
+    ax_k3.set_yticks(y, [name for _, name in rows], fontsize=8)
+    ax_k3.set_ylim(-0.7, len(rows) - 0.3)  # the top heading has no bar: keep its row
+    for (kind, _), tick in zip(rows, ax_k3.get_yticklabels()):
+        if kind == "header":
+            tick.set_fontweight("bold")
+            tick.set_fontsize(8.5)
 
-    legend = []
-    for key, offset, label, hatch in (("mean/routing/agreement", -0.18, "trainer's native top-k = rollout's", None),
-                                      ("mean/routing/replayed_agreement", 0.18, "replayed rows took the trace's experts", "///")):
+    legend, native = [], None
+    for key, offset, label, hatch in (("mean/routing/agreement", -0.18,
+                                       "trainer's native top-k = rollout's (per layer, mean over MoE layers)", None),
+                                      ("mean/routing/replayed_agreement", 0.18,
+                                       "replayed rows took the trace's experts (R2/R3)", "///")):
         if key not in runs:
             continue
         vals = pd.to_numeric(runs[key], errors="coerce").groupby(runs["arm"]).mean().reindex(order)
+        if native is None:
+            native = vals
         ax_route.barh([pos[a] + offset for a in order], vals.values, height=0.34,
                       color=[arm_color(a) for a in order], hatch=hatch, edgecolor="k", lw=0.3)
         legend.append(Patch(facecolor="white", edgecolor="k", hatch=hatch, label=label))
-    finite = pd.to_numeric(runs.get("mean/routing/agreement", pd.Series(dtype=float)), errors="coerce").dropna()
-    low = float(finite.min()) if not finite.empty else 0.98
-    ax_route.set_xlim(max(0.0, low - (1 - low) * 0.5), 1.0005)
-    ax_route.set_xlabel("share of tokens (routing)", fontsize=9)
+    finite = native.dropna() if native is not None else pd.Series(dtype=float)
+    # Zoom to the arms near full agreement, so 0.974 vs 0.981 reads; an arm far below is labelled.
+    if not finite.empty:
+        med = float(finite.median())
+        kept = finite[finite >= 1 - 4 * max(1 - med, 1e-4)]
+        low = float(kept.min()) - 0.15 * (1 - float(kept.min()) + 1e-4)
+        for arm, v in finite.items():
+            ax_route.text(v + 0.01 * (1 - low) if v >= low else low, pos[arm] - 0.18,
+                          f"{v:.4f}" if v >= low else f"← {v:.3f} (off axis)", va="center", fontsize=6.5,
+                          color="k" if v >= low else "C3")
+    else:
+        low = 0.9
+    ax_route.set_xlim(low, 1.0 + 0.25 * (1 - low))
+    ax_route.axvline(1.0, color="k", lw=0.6)
+    ax_route.set_xlabel("share of tokens (routing), zoomed", fontsize=9)
     ax_route.legend(handles=legend, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=1,
                     frameon=False)
     for ax in (ax_k3, ax_route):
         ax.grid(alpha=0.3, axis="x")
-        start = 0
-        for name, members in groups[:-1]:
-            start += len(members)
-            ax.axhline(y[start - 1] - 0.5, color="k", lw=0.6, ls=":")
-    for name, members in groups:
-        ax_route.text(1.02, np.mean([pos[a] for a in members]), name, transform=ax_route.get_yaxis_transform(),
-                      va="center", fontsize=8, style="italic")
+        for (kind, _), yy in zip(rows, y):
+            if kind == "header" and yy != y[0]:
+                ax.axhline(yy + 0.5, color="k", lw=0.6, ls=":")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -617,14 +905,20 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
     train = df[df["reward/mean"].notna()] if "reward/mean" in df else df
     if not questions:  # no figures.yaml: one question over all arms
         questions = [Question("training", f"{experiment}: training", sorted(train["arm"].unique()))]
+    from moerl.results import family_references
+
+    if runs is not None and not runs.empty:
+        runs = runs[runs["experiment"] == experiment]
+    references = family_references(runs) if runs is not None and not runs.empty else None
+    presets = (runs.groupby("arm")["cfg/preset"].first().to_dict()
+               if runs is not None and "cfg/preset" in runs else None)
     paths = []
     for q in questions:
         wanted = [k for k in train if k.startswith("mismatch/extreme_gt")] if q.kind == "tau_curve" else q.metrics
         recorded = [k for k in wanted if k in train and train[k].notna().any()]
         if any(a in set(train["arm"]) for a in q.arms) and recorded:
-            paths.append(save(question_figure(train, q), out_dir / f"{experiment}_{q.name}.png"))
+            paths.append(save(question_figure(train, q, references=references), out_dir / f"{experiment}_{q.name}.png"))
     if runs is not None and not runs.empty:
-        runs = runs[runs["experiment"] == experiment]
         reference = questions[0].reference
         k3_key = "mean/mismatch/k3"
         if "mismatch/k3" in train:  # per-step k3 is heavy-tailed: compare runs by their median step
@@ -632,8 +926,8 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
             medians = train.groupby(["arm", "seed"])["mismatch/k3"].median().rename(k3_key).reset_index()
             runs = runs.drop(columns=[k3_key], errors="ignore").merge(medians, on=["arm", "seed"], how="left")
         paths.append(save(summary_figure(runs, f"{experiment}: what each arm does to the mismatch "
-                                               f"(mean over seeds, whisker = min-max)", questions, reference,
-                                         k3_key=k3_key),
+                                               f"(median over seeds, whisker = min-max)", questions, reference,
+                                         k3_key=k3_key, references=references),
                           out_dir / f"{experiment}_summary.png"))
         if "final_eval/eval/pass1" in runs:
             paths.append(save(gain_figure(runs, f"{experiment}: held-out accuracy, final minus initial", questions),
@@ -641,20 +935,41 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
     if any(c.startswith("routing/agreement/layer") for c in train.columns):
         focus = _question_arms(questions, ("family", "replay")) or None
         paths.append(save(routing_by_layer(train, f"{experiment}: where do trainer and rollout route differently?",
-                                           arms=focus), out_dir / f"{experiment}_routing_layers.png"))
+                                           arms=focus, presets=presets), out_dir / f"{experiment}_routing_layers.png"))
     if samples is not None and not samples.empty:
         samples = samples[samples["experiment"] == experiment]
         hist_arms = _question_arms(questions, ("mitigations",)) or None
-        paths.append(save(ratio_histograms(samples, "raw_ratio", f"{experiment}: per-token pi_old / pi_rollout and "
-                                           "what each correction acts on", arms=hist_arms, losses=losses),
+        paths.append(save(ratio_histograms(samples, "raw_ratio", f"{experiment}: pi_old / pi_rollout and "
+                                           "what each correction acts on", arms=hist_arms, losses=losses,
+                                           caption=mis_caption(losses)),
                           out_dir / f"{experiment}_is_hist.png"))
         focus = _question_arms(questions, ("replay",)) or None
-        paths.append(save(quantiles_over_time(samples, "raw_ratio", title=f"{experiment}: does the spread of "
-                                              "pi_old / pi_rollout change over training?", arms=focus),
+        # Per-token ratio for every arm (raw_ratio of a sequence-level MIS arm is its sequence's ratio).
+        tokens = samples.assign(token_ratio=np.exp(samples["trainer_logp"].astype(float)
+                                                   - samples["rollout_logp"].astype(float)))
+        paths.append(save(quantiles_over_time(tokens, "token_ratio", title=f"{experiment}: does the spread of "
+                                              "per-token pi_old / pi_rollout change over training?", arms=focus),
                           out_dir / f"{experiment}_is_quantiles.png"))
         paths.append(save(logprob_scatter(samples, f"{experiment}: at which token probabilities does the mismatch sit?",
                                           arms=focus), out_dir / f"{experiment}_logprob_scatter.png"))
     return paths
+
+
+def mis_caption(losses: dict[str, dict] | None) -> str:
+    """Why an MIS band reads as it does: it bounds a sequence ratio, whose spread depends on the level."""
+    from moerl.results import is_level
+
+    parts = []
+    for arm, loss in sorted((losses or {}).items()):
+        level = is_level(loss)
+        if loss.get("variant") == "mis" and level != "token":
+            parts.append(f"{arm} keeps sequences whose {LEVEL_TEXT[level].split(': ')[1]} lies in "
+                         f"[{loss.get('mis_lower', 0.5):g}, {loss.get('mis_upper', 2.0):g}]")
+    if not parts:
+        return ""
+    return ("; ".join(parts) + ". A product over a sequence's tokens spreads far wider than their geometric mean "
+            "(a per-token average), so a band on the product is set wide and a band on the geometric mean "
+            "narrow.")
 
 
 def _question_arms(questions: list[Question], names: tuple[str, ...]) -> list[str]:

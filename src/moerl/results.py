@@ -83,6 +83,30 @@ def _numeric(value):
     return value
 
 
+# Metric keys that were renamed: old name -> current name. Runs recorded under the old name load
+# under the current one, so tables, figures and notebooks need only the current name.
+METRIC_ALIASES = {
+    # The share of prompt groups whose rewards are not all equal (the groups that carry a GRPO
+    # gradient); it never counted solved groups.
+    "reward/group_solved_frac": "reward/mixed_group_frac",
+}
+
+
+def canonical_key(key: str) -> str:
+    """The current name of a metric key, also under a summary prefix (``mean/<key>``)."""
+    if key in METRIC_ALIASES:
+        return METRIC_ALIASES[key]
+    head, sep, tail = key.partition("/")
+    if sep and tail in METRIC_ALIASES:
+        return f"{head}/{METRIC_ALIASES[tail]}"
+    return key
+
+
+def _rows_frame(rows: list[dict]) -> pd.DataFrame:
+    """Metric rows as a frame, renamed keys under their current names (a row never holds both)."""
+    return pd.DataFrame([{canonical_key(k): _numeric(v) for k, v in r.items()} for r in rows])
+
+
 def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str] | None = None) -> pd.DataFrame:
     """One row per logged step: columns experiment, arm, seed, step and every metric."""
     runs = find_runs(root)
@@ -99,8 +123,7 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
         rows = _read_jsonl(run / "metrics.jsonl")
         if not rows:
             continue
-        df = pd.DataFrame([{k: _numeric(v) for k, v in r.items()} for r in rows])
-        frames.append(_keyed(df, key))
+        frames.append(_keyed(_rows_frame(rows), key))
     if not frames:
         raise MissingRunError(f"no runs with metrics under {Path(root)}")
     return pd.concat(frames, ignore_index=True, sort=False)
@@ -114,12 +137,21 @@ def load_run(root: str | Path, experiment: str, arm: str, seed: int) -> pd.DataF
             if Path(root).exists() else []
         raise MissingRunError(f"run {experiment}/{arm}/seed{seed} not found: no {run / 'metrics.jsonl'}"
                               f" (recorded runs of {experiment}: {have or 'none'})")
-    rows = _read_jsonl(run / "metrics.jsonl")
-    df = pd.DataFrame([{k: _numeric(v) for k, v in r.items()} for r in rows])
+    df = _rows_frame(_read_jsonl(run / "metrics.jsonl"))
     df.insert(0, "seed", seed)
     df.insert(0, "arm", arm)
     df.insert(0, "experiment", experiment)
     return df
+
+
+def is_level(loss: dict | None) -> str:
+    """The level of the raw importance ratio a run's ``is/*`` metrics describe: ``token``, or
+    ``sequence`` / ``geometric`` (one ratio per sequence) for a TIS or MIS loss configured so.
+    Token- and sequence-level ratios live on different scales and are never pooled."""
+    loss = loss or {}
+    if loss.get("variant") in ("tis", "mis"):
+        return str(loss.get("is_level", "token"))
+    return "token"
 
 
 def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFrame:
@@ -135,9 +167,9 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
         flat = {"experiment": key.experiment, "arm": key.arm, "seed": key.seed}
         for k, v in summary.items():
             if isinstance(v, dict):
-                flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+                flat.update({canonical_key(f"{k}/{kk}"): vv for kk, vv in v.items()})
             else:
-                flat[k] = v
+                flat[canonical_key(k)] = v
         cfg_path = run / "config.yaml"
         if cfg_path.exists():
             cfg = yaml.safe_load(cfg_path.read_text())
@@ -145,7 +177,8 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
                 flat.update({"cfg/preset": cfg["model"]["preset"], "cfg/rollout_dtype": cfg["rollout"]["dtype"],
                              "cfg/loss": cfg["loss"]["variant"], "cfg/replay": cfg["replay"]["mode"],
                              "cfg/expert_mode": cfg["lora"]["expert_mode"], "cfg/refit": cfg["refit"]["mode"],
-                             "cfg/steps": cfg["trainer"]["steps"]})
+                             "cfg/steps": cfg["trainer"]["steps"],
+                             "cfg/is_level": is_level(cfg["loss"])})
             except (KeyError, TypeError) as err:
                 raise ValueError(f"{cfg_path}: expected a resolved experiment config, missing key {err}") from None
         sha = run / "git_sha.txt"
@@ -179,11 +212,12 @@ def load_arm_configs(root: str | Path, experiment: str) -> dict[str, dict]:
     return out
 
 
-def per_arm_table(frame: pd.DataFrame, keys: list[str], fmt: str = "{:.4f}") -> pd.DataFrame:
-    """Mean over steps of each run, then 'mean ± std' over seeds: one row per arm, one column per key
-    (keys not recorded are left out)."""
+def per_arm_table(frame: pd.DataFrame, keys: list[str], fmt: str = "{:.4f}", stat: str = "mean") -> pd.DataFrame:
+    """``stat`` (mean or median) over the steps of each run, then 'mean ± std' over seeds: one row per
+    arm, one column per key (keys not recorded are left out). Use the median for a heavy-tailed
+    per-step quantity such as k3."""
     keys = [k for k in keys if k in frame]
-    per_run = frame.groupby(["arm", "seed"])[keys].mean().reset_index()
+    per_run = getattr(frame.groupby(["arm", "seed"])[keys], stat)().reset_index()
     stats = seed_stats(per_run, keys)
     return pd.DataFrame({k: [mean_std(stats.loc[a, (k, "mean")], stats.loc[a, (k, "std")], int(stats.loc[a, (k, "n")]), fmt)
                              for a in stats.index] for k in keys}, index=stats.index)
@@ -297,7 +331,7 @@ def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> pd.Data
         df = run.history(samples=100_000, pandas=True)
         if df is None or len(df) == 0:
             continue
-        df = df.rename(columns=map_verl_metrics(df.columns))
+        df = df.rename(columns=map_verl_metrics(df.columns)).rename(columns=canonical_key)
         if "step" not in df:
             if "_step" not in df:
                 raise ValueError(f"wandb run {path}/{run.id}: no step column (training/global_step or _step)")
@@ -328,7 +362,8 @@ def load_sweep(experiment_dir: str | Path) -> dict | None:
 
 
 def run_table(root: str | Path, experiment: str) -> pd.DataFrame:
-    """One row per finished run: its summary and config knobs, plus ``wall/train_s`` (sum of the
+    """One row per finished run: its summary and config knobs, the statistics of run_statistics
+    (run-median k3, all-layer routing agreement), ``wall/train_s`` (sum of the
     logged ``time/step``) and ``wall/run_s`` (the process time scripts/sweep.py measured, all
     attempts of the run, when the run went through the sweep)."""
     summ = load_summaries(root, experiment)
@@ -343,7 +378,43 @@ def run_table(root: str | Path, experiment: str) -> pd.DataFrame:
     per_run = sweep.get("runs", {})
     summ["wall/run_s"] = [per_run.get(f"{a}/seed{s}", {}).get("seconds", np.nan)
                           for a, s in zip(summ["arm"], summ["seed"])]
+    stats = run_statistics(metrics)
+    summ = summ.drop(columns=[c for c in stats if c not in ("arm", "seed")], errors="ignore")
+    summ = summ.merge(stats, on=["arm", "seed"], how="left")
     return summ.sort_values(["arm", "seed"]).reset_index(drop=True)
+
+
+def run_statistics(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per-run statistics a summary.json lacks, one row per (arm, seed), from the training steps:
+
+    - ``median/mismatch/k3``: the median over steps of per-step k3. Per-step k3 is heavy-tailed
+      (one spike can carry a run's mean), so runs are compared by their median step.
+    - ``mean/mismatch/k3``: the mean over steps, for reference.
+    - ``mean/routing/all_layers_agree``: the share of tokens whose trainer-native top-k equals the
+      rollout's in *every* MoE layer (1 - ``routing/any_layer_differs``), mean over steps. This is
+      stricter than ``routing/agreement``, which averages the per-layer agreement over layers.
+    """
+    train = metrics[metrics["reward/mean"].notna()] if "reward/mean" in metrics else metrics
+    out = train[["arm", "seed"]].drop_duplicates().set_index(["arm", "seed"])
+    groups = train.groupby(["arm", "seed"])
+    if "mismatch/k3" in train:
+        out["median/mismatch/k3"] = groups["mismatch/k3"].median()
+        out["mean/mismatch/k3"] = groups["mismatch/k3"].mean()
+    if "routing/any_layer_differs" in train:
+        out["mean/routing/all_layers_agree"] = 1.0 - groups["routing/any_layer_differs"].mean()
+    return out.reset_index()
+
+
+def family_references(runs: pd.DataFrame, name: str = "baseline") -> dict[str, str]:
+    """arm -> the uncorrected arm of the same model preset (``cfg/preset``): ``baseline`` or
+    ``<prefix>_baseline``. A ratio between arms is only meaningful within one architecture, so
+    each arm is compared with its own family's baseline. Arms whose preset has no such arm are
+    left out."""
+    if "cfg/preset" not in runs:
+        return {a: name for a in runs["arm"].unique()} if name in set(runs["arm"]) else {}
+    preset = runs.groupby("arm")["cfg/preset"].first()
+    bases = {p: a for a, p in preset.items() if a == name or a.endswith(f"_{name}")}
+    return {a: bases[p] for a, p in preset.items() if p in bases}
 
 
 def seed_stats(df: pd.DataFrame, columns: list[str], by: str = "arm") -> pd.DataFrame:

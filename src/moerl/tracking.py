@@ -4,12 +4,14 @@ mirrors it (offline by default, online when configured, ``disabled`` works).
 A run directory holds everything needed to understand the run: the resolved config, its identity
 (run.json: the config hash a resume or a sweep must match), the machine it ran on (machine.json),
 the git SHA, metrics.jsonl, summary.json and checkpoints. Nothing in it is ever rewritten in place: files are
-replaced atomically, and on resume the rows after the restored checkpoint are dropped (they would
-otherwise be logged twice) after the old file is kept as metrics.jsonl.bak.
+replaced atomically (temporary file, fsync, rename), and on resume the rows after the restored checkpoint
+are dropped (they would otherwise be logged twice) after a copy of the old file is kept as metrics.jsonl.bak.
+A kill at any moment leaves metrics.jsonl with either all its old rows or exactly the kept ones.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -19,8 +21,11 @@ import uuid
 import warnings
 from pathlib import Path
 
-from moerl.config import (ConfigError, ExperimentConfig, config_diff, config_hash, identity_dict, load_config,
-                          save_config, to_dict, usable_cores)
+from moerl import faults
+from moerl.config import (ConfigError, ExperimentConfig, config_diff, config_hash, config_yaml, identity_dict,
+                          load_config, to_dict, usable_cores)
+
+log = logging.getLogger(__name__)
 
 # CPU flags that select torch's bf16 kernels (oneDNN AMX / AVX512-BF16 paths): bf16 results differ
 # between machines with and without them, while fp32 runs reproduce bit for bit.
@@ -100,12 +105,29 @@ def git_sha() -> str:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a kill leaves either the old or the new file, never a part."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
-    tmp.replace(path)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (the directory entry itself), where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _jsonable(value):
@@ -143,7 +165,7 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if resume_step is not None:
             self._truncate_after(resume_step)
-        save_config(cfg, self.run_dir / "config.yaml")
+        atomic_write_text(self.run_dir / "config.yaml", config_yaml(cfg))
         atomic_write_text(self.run_dir / "run.json", json.dumps(
             {"run": cfg.run_name, "config_hash": config_hash(cfg), "identity": identity_dict(cfg)}, indent=1) + "\n")
         # The rollout's kernels decide whether its bf16 numbers depend on this machine (native) or not.
@@ -168,11 +190,18 @@ class Tracker:
         keep = [r for r in rows if r.get("step", -1) <= step]
         # Rewrite when rows follow the checkpoint or the crash left a half-written last line.
         if len(keep) != len(rows) or (text and not text.endswith("\n")):
-            self.metrics_path.replace(self.metrics_path.with_suffix(".jsonl.bak"))
+            # The old file is copied, not moved: until the kept rows replace it (one rename), it stays whole.
+            atomic_write_text(self.metrics_path.with_suffix(".jsonl.bak"), text)
+            faults.hit("truncate")
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def _init_wandb(self, cfg: ExperimentConfig):
         if cfg.tracking.wandb_mode == "disabled":
+            return None
+        if os.environ.get("WANDB_MODE", "").strip().lower() == "disabled":
+            # wandb.init(mode=...) would override the environment: the user's switch-off wins here.
+            log.info("wandb disabled by WANDB_MODE=disabled in the environment "
+                     "(tracking.wandb_mode=%s ignored)", cfg.tracking.wandb_mode)
             return None
         import wandb
 

@@ -39,3 +39,12 @@ def test_a_missing_row_or_key_is_a_difference_and_max_step_limits_the_rows():
     assert any("'loss/policy'" in d and "not logged" in d for d in diffs)
     assert any(d.startswith("step 2 (train): recorded, not logged") for d in diffs)
     assert not any(d.startswith("step 2") for d in check.compare(RECORDED, fresh, max_step=1))
+
+
+def test_keys_added_since_a_recording_are_rerun_as_recorded():
+    """A run recorded before rollout.kernels existed ran the native kernels; one that names its kernels
+    is re-run with them, whatever today's default is."""
+    old = check.recorded_settings({"rollout": {"dtype": "bf16"}, "trainer": {"steps": 60}})
+    assert "rollout.kernels=native" in old and "trainer.eval_precision=rollout" in old
+    new = check.recorded_settings({"rollout": {"kernels": "emulated"}, "trainer": {"eval_precision": "fp32"}})
+    assert "rollout.kernels=emulated" in new and "trainer.eval_precision=fp32" in new

@@ -59,8 +59,8 @@ def test_masking_and_tis_verdicts():
     flat = {"baseline": {}, "mis": dict(effective=0.97), "icepop": dict(effective=0.999)}
     assert by_claim(flat, claims.claim_masking).verdict == "no"
     # No drift in the baseline: the TIS claim cannot be tested, and the table says so.
-    tis = by_claim({"baseline": {}, "tis": {}}, claims.claim_tis)
-    assert tis.verdict == "not tested" and "did not drift" in tis.repo
+    tis = by_claim({"baseline": {}, "tis": {"is/truncated_frac": 0.05}}, claims.claim_tis)
+    assert tis.verdict == "not tested" and "baseline 1×" in tis.repo
 
 
 def test_unfinished_runs_are_left_out():

@@ -109,3 +109,47 @@ def test_tau_curve_and_its_question_kind(tmp_path):
     (tmp_path / "exp" / "figures.yaml").write_text("questions:\n  - {name: q, title: t, arms: [a], kind: histo}\n")
     with pytest.raises(ValueError, match=r"questions\[0\].kind is 'histo'"):
         plots.load_questions("exp", tmp_path)
+
+
+def _family_runs():
+    # deepseek_r3 has 0.5x its own baseline's k3 but 2x Qwen's baseline: the figure must say 0.5x.
+    rows = []
+    for seed in (0, 1):
+        for arm, preset, k3 in (("baseline", "qwen3_moe", 1e-4), ("r3", "qwen3_moe", 5e-5),
+                                ("deepseek_baseline", "deepseek_v3", 4e-4), ("deepseek_r3", "deepseek_v3", 2e-4)):
+            rows.append({"experiment": "x", "arm": arm, "seed": seed, "cfg/preset": preset,
+                         "median/mismatch/k3": k3, "mean/routing/agreement": 0.97})
+    return pd.DataFrame(rows)
+
+
+def test_summary_divides_each_arm_by_its_own_family_baseline():
+    fig = plots.summary_figure(_family_runs(), "t", k3_key="median/mismatch/k3")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "0.5×" in texts and "2×" not in texts
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "deepseek_v3 preset: k3 ÷ deepseek_baseline" in ticks  # the denominator is named
+
+
+def test_relative_k3_notes_the_fp32_floor_and_collapse_draws_its_threshold():
+    df = _frame(["baseline", "r3", "fp32_rollout"], steps=30)
+    df.loc[df["arm"] == "fp32_rollout", "mismatch/k3"] = 1e-14
+    refs = {"baseline": "baseline", "r3": "baseline", "fp32_rollout": "baseline"}
+    fig = plots.relative_curves(df, "mismatch/k3", [{"title": "p", "arms": ["r3", "fp32_rollout"]}], refs, "t", smooth=3)
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert "r3 / baseline" in labels and not any("fp32" in lab for lab in labels)
+    assert "fp32_rollout" in fig.axes[0].texts[0].get_text()
+    assert np.allclose(fig.axes[0].get_lines()[0].get_ydata(), 2.0)  # r3's k3 is 2x baseline's in _frame
+    fig = plots.collapse_figure(df, [{"title": "p", "arms": ["baseline"]}], "t")
+    dotted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1  # the threshold: half the running peak of the 20-step mean
+    smoothed = fig.axes[0].get_lines()[0].get_ydata()
+    assert np.allclose(dotted[0].get_ydata()[19:], 0.5 * np.fmax.accumulate(smoothed[19:]))
+
+
+def test_zeros_stay_on_a_log_panel_and_an_outlier_arm_does_not_set_the_scale():
+    df = _frame(["baseline", "r3"], steps=10)
+    df["mismatch/extreme_frac"] = np.where(df["step"] % 2, 0.0, 1e-3)
+    fig = plots.curves(df, [("mismatch/extreme_frac", "x")], "t", log_keys=("mismatch/extreme_frac",))
+    assert fig.axes[0].get_yscale() == "symlog" and fig.axes[0].get_ylim()[0] == 0
+    assert plots._outliers({"a": 1.0, "b": 1.2, "bug": 900.0}) == {"bug"}
+    assert plots._outliers({"a": 1.0, "b": 1.2, "c": 2.0}) == set()

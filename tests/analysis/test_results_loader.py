@@ -151,3 +151,66 @@ def test_make_figures_writes_every_figure(tmp_path):
     assert {f"{EXP}_{k}.png" for k in ("accuracy", "routing_layers", "summary", "is_hist", "is_quantiles",
                                           "logprob_scatter")} <= names
     assert all(p.stat().st_size > 5000 for p in paths)
+
+
+def _tiny_run(root: Path, arm: str, seed: int, rows: list[dict], summary: dict | None = None,
+              loss: dict | None = None, preset: str = "qwen3_moe") -> None:
+    run = root / "exp" / arm / f"seed{seed}"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps(summary or {"steps": len(rows)}))
+    cfg = {"model": {"preset": preset}, "rollout": {"dtype": "bf16"}, "loss": loss or {"variant": "vanilla"},
+           "replay": {"mode": "none"}, "lora": {"expert_mode": "per_expert"}, "refit": {"mode": "adapter"},
+           "trainer": {"steps": len(rows)}}
+    (run / "config.yaml").write_text(json.dumps(cfg))
+
+
+def test_renamed_metric_loads_under_its_current_name(tmp_path):
+    """reward/group_solved_frac counted groups with mixed rewards; old runs load it as mixed_group_frac."""
+    old = [{"step": 1, "reward/mean": 0.5, "reward/group_solved_frac": 0.25}]
+    new = [{"step": 1, "reward/mean": 0.5, "reward/mixed_group_frac": 0.75}]
+    _tiny_run(tmp_path, "old", 0, old, summary={"mean/reward/group_solved_frac": 0.25})
+    _tiny_run(tmp_path, "new", 0, new, summary={"mean/reward/mixed_group_frac": 0.75})
+    df = load_metrics(tmp_path, "exp")
+    assert "reward/group_solved_frac" not in df
+    assert df.set_index("arm")["reward/mixed_group_frac"].to_dict() == {"old": 0.25, "new": 0.75}
+    assert load_run(tmp_path, "exp", "old", 0)["reward/mixed_group_frac"].tolist() == [0.25]
+    summ = load_summaries(tmp_path, "exp").set_index("arm")
+    assert summ["mean/reward/mixed_group_frac"].to_dict() == {"old": 0.25, "new": 0.75}
+
+
+def test_run_table_k3_median_all_layer_agreement_and_is_level(tmp_path):
+    from moerl.results import family_references, run_statistics
+
+    # k3 with one spike: the run median ignores it, the mean does not.
+    rows = [{"step": s, "reward/mean": 0.5, "mismatch/k3": 1.0 if s == 3 else 1e-4,
+             "routing/agreement": 0.97, "routing/any_layer_differs": 0.2, "is/p99": 1.5} for s in range(1, 6)]
+    _tiny_run(tmp_path, "baseline", 0, rows, summary={"mean/is/p99": 1.5, "mean/routing/agreement": 0.97})
+    _tiny_run(tmp_path, "mis", 0, rows, summary={"mean/is/p99": 3.0},
+              loss={"variant": "mis", "is_level": "sequence"})
+    _tiny_run(tmp_path, "deepseek_baseline", 0, rows, summary={"mean/is/p99": 1.5}, preset="deepseek_v3")
+    _tiny_run(tmp_path, "deepseek_r3", 0, [dict(r, **{"mismatch/k3": 1e-5}) for r in rows], preset="deepseek_v3")
+    stats = run_statistics(load_metrics(tmp_path, "exp")).set_index("arm")
+    assert stats.loc["baseline", "median/mismatch/k3"] == pytest.approx(1e-4)
+    assert stats.loc["baseline", "mean/mismatch/k3"] == pytest.approx((1.0 + 4e-4) / 5)
+    assert stats.loc["baseline", "mean/routing/all_layers_agree"] == pytest.approx(0.8)  # not the 0.97 over layers
+    table = run_table(tmp_path, "exp").set_index("arm")
+    assert table.loc["mis", "cfg/is_level"] == "sequence" and table.loc["baseline", "cfg/is_level"] == "token"
+    assert family_references(table.reset_index()) == {"baseline": "baseline", "mis": "baseline",
+                                                      "deepseek_baseline": "deepseek_baseline",
+                                                      "deepseek_r3": "deepseek_baseline"}
+    out = tmp_path / "R.md"
+    proc = _script("write_results.py", str(tmp_path / "exp"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    lines = out.read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| arm |")).split(" | ")
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    col = {h.strip("| "): i for i, h in enumerate(header)}
+    assert cells["baseline"][col["k3 KL (run median)"]] == "1.00e-04"
+    assert cells["baseline"][col["tokens agreeing in all layers"]] == "0.8000"
+    assert cells["baseline"][col["routing agreement, mean over layers"]] == "0.9700"
+    # token and sequence ratios never share a column
+    assert cells["mis"][col["token IS ratio p99"]] == "n/a" and cells["mis"][col["sequence IS ratio p99"]] == "3.000"
+    assert cells["baseline"][col["token IS ratio p99"]] == "1.500" and cells["baseline"][col["sequence IS ratio p99"]] == "n/a"
+    # a ratio names its denominator: the DeepSeek-V3 arm against the DeepSeek-V3 baseline
+    assert cells["deepseek_r3"][col["k3 vs family baseline"]].startswith("0.1× deepseek_baseline")

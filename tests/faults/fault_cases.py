@@ -24,8 +24,8 @@ class Case:
 
 CASES = [
     # -- interrupted runs -------------------------------------------------------------------------
-    Case("`kill -9` during a step, during a checkpoint write, during pruning, right after the last checkpoint, "
-         "after the final evaluation (seeded schedules)", "`--resume` continues from the newest complete checkpoint",
+    Case("`kill -9` during a step, during a checkpoint write, inside a resume's truncation of metrics.jsonl, during "
+         "pruning, right after the last checkpoint, after the final evaluation (seeded schedules)", "`--resume` continues from the newest complete checkpoint",
          "every logged value except wall-clock times, final LoRA, optimizer, sampler and token samples equal the "
          "uninterrupted run bit for bit; no half-written or half-deleted checkpoint left",
          "test_kill_resume.py::test_killed_run_resumes_identically"),
@@ -35,6 +35,13 @@ CASES = [
     Case("`--resume` mid-run", "training continues",
          "`refit/version` and every other logged value continue as in the uninterrupted run",
          "test_resume_exact.py::test_resumed_rows_equal_uninterrupted_rows"),
+    Case("`kill -9` inside a resume's truncation of metrics.jsonl (its backup written, the kept rows not yet)",
+         "the next `--resume` continues from the newest complete checkpoint",
+         "every row: metrics.jsonl is replaced by one rename, never moved away; the run ends as the uninterrupted one",
+         "test_resume_exact.py::test_a_kill_inside_the_truncation_loses_no_row"),
+    Case("`kill -9` while the last checkpoint's predecessor is pruned", "nothing",
+         "the resume removes the `.step_N.deleting` leftover: a finished run holds complete checkpoints only",
+         "test_checkpoint_integrity.py::test_no_leftover_after_a_kill_while_pruning_the_last_checkpoint"),
     Case("crash leftovers: `.step_N.tmp`, `.step_N.deleting`, a `step_N` without `state.json`",
          "nothing", "removed at the next checkpoint; never taken for a checkpoint",
          "test_resume_exact.py::test_crash_leftovers_are_cleaned"),
@@ -47,6 +54,30 @@ CASES = [
     Case("`--resume` (or a sweep) with a config other than the run's", "`... holds a run of another config, cannot "
          "resume it (trainer.lr: 0.0003 -> 0.001)`", "the recorded run and its config.yaml",
          "test_run_cli.py::test_resume_with_another_config_is_refused"),
+    Case("`--resume` with another config after run.json and config.yaml were deleted",
+         "`<checkpoint> was written by a run of config hash <h>, this config's hash is <h'>: cannot resume it with "
+         "another config ...`", "the recorded run (every checkpoint's manifest carries the config hash)",
+         "test_checkpoint_integrity.py::test_a_checkpoint_of_another_config_is_refused_without_run_json"),
+    # -- concurrency --------------------------------------------------------------------------------
+    Case("a second start, or a `--resume`, of a run that is live (two identical runs started together)",
+         "`<run> is in use by process <pid> (a run or resume of it is live); wait for it to end or stop it ...`",
+         "the live run's rows: one writer per run directory (a lock beside it, released when its process dies)",
+         "test_run_cli.py::test_a_live_run_has_one_writer"),
+    Case("SIGTERM, SIGINT or `kill -9` to scripts/sweep.py", "`[sweep] SIGTERM: stopped 1 run(s); run the sweep "
+         "again to resume them` (nothing after `kill -9`)", "no run of the sweep keeps training: a re-run finds no "
+         "second writer", "test_sweep_children.py::test_a_stopped_sweep_leaves_no_run_training"),
+    # -- checkpoints --------------------------------------------------------------------------------
+    Case("a flipped bit in a checkpoint file (`lora.safetensors`)", "a warning `damaged checkpoint <step_N> "
+         "(<file>: checksum mismatch ...): resuming from the previous complete checkpoint <step_M>`",
+         "the previous intact checkpoint; the run ends as the uninterrupted one",
+         "test_checkpoint_integrity.py::test_a_flipped_bit_in_a_checkpoint_is_caught"),
+    Case("a truncated checkpoint file, an empty `state.json`", "a warning naming the file, then the previous intact "
+         "checkpoint; with none left `<run>: no intact checkpoint to resume from (<file>: cannot be read (...)); "
+         "start the run over with --fresh ..., or delete the damaged checkpoint(s) <paths>`",
+         "the previous intact checkpoint", "test_checkpoint_integrity.py::test_unreadable_checkpoints_are_named_and_skipped"),
+    Case("a checkpoint written before checkpoints carried checksums (no `manifest.json`)",
+         "a warning `<checkpoint> has no manifest.json ...: loading it unverified`", "the run resumes as before",
+         "test_checkpoint_integrity.py::test_a_checkpoint_without_manifest_still_resumes"),
     Case("a run with overrides (`loss.tis_cap=3.0`) next to the plain arm", "a run of its own, "
          "`<arm>+loss.tis_cap=3.0/seed<k>`", "the plain arm's run is neither skipped for it nor resumed",
          "test_run_cli.py::test_overrides_name_their_own_run"),
@@ -58,6 +89,24 @@ CASES = [
          "`threads=0`, ... every numeric key)", "`command-line override 'trainer.mini_batches=0': "
          "trainer.mini_batches=0 is out of range: allowed [1, inf)`", "nothing written",
          "test_bad_input.py::test_out_of_range_values_are_named"),
+    Case("a model shape the model classes cannot build (`model.num_heads=3` with 2 key/value heads, an odd "
+         "`head_dim`, sizes grouped_mm cannot stride, too few experts per DeepSeek group)",
+         "`command-line override 'model.num_heads=3': model.num_heads=3 must be a multiple of model.num_kv_heads=2 "
+         "(...)`", "nothing written", "test_bad_input.py::test_model_shapes_are_checked_before_anything_is_written"),
+    Case("a value that is not YAML in an override (`trainer.lr=[1`)", "`command-line override 'trainer.lr=[1': "
+         "the value is not valid YAML (...); quote it or fix the brackets`", "nothing written",
+         "test_bad_input.py::test_a_bad_yaml_value_in_an_override_names_the_override"),
+    Case("a cross-key error (`trainer.mini_batches=5` that does not divide the batch)", "`<the file or override "
+         "that set it>: rollout.prompts_per_step * rollout.group_size must be divisible by trainer.mini_batches`",
+         "nothing written", "test_bad_input.py::test_cross_key_errors_name_the_layer_that_set_the_value"),
+    Case("an empty arm file; a key given twice in one YAML file", "`<file>: empty config file (...)` / `<file>: "
+         "key 'lr' appears twice (lines 2 and 4); keep one`", "nothing written",
+         "test_bad_input.py::test_an_empty_arm_file_and_duplicate_keys_are_refused"),
+    Case("`sweep.py --seeds 0`", "`--seeds 0: expected at least one seed, none negative (...)`", "nothing written",
+         "test_sweep_children.py::test_no_seeds_is_one_line"),
+    Case("`WANDB_MODE=disabled` in the environment with `tracking.wandb_mode=offline`", "`wandb disabled by "
+         "WANDB_MODE=disabled in the environment (tracking.wandb_mode=offline ignored)`", "metrics.jsonl, as always",
+         "test_run_cli.py::test_wandb_disabled_in_the_environment_is_honoured"),
     # -- data -------------------------------------------------------------------------------------
     Case("an empty dataset file", "`<file>: empty file (expected one JSON object per line ...)`",
          "nothing written (no run directory)", "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
@@ -65,6 +114,9 @@ CASES = [
          "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
     Case("no usable training row", "`<file>: no usable training rows ...`", "nothing written",
          "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
+    Case("a data file that is not UTF-8", "`data.test_path: <file>: line 5 is not UTF-8 text (byte 0xe9 at column "
+         "18); expected one UTF-8 JSON object per line`", "nothing written",
+         "test_bad_input.py::test_a_data_file_that_is_not_utf8_names_file_line_and_split"),
     Case("a task without a test file", "`data.task=gsm8k: no test rows to evaluate on (set data.test_path ...)`",
          "nothing written (no pass@1 of 0.0 on nothing)",
          "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
@@ -96,6 +148,10 @@ CASES = [
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "
          "kept <previous checkpoint>; free space and continue with --resume`",
          "the previous checkpoint; no temp directory", "test_disk_full.py::test_full_disk_during_a_checkpoint"),
+    Case("a full disk inside torch's writer (`optimizer.pt`, which says only `unexpected pos`)",
+         "`could not write checkpoint <path> (optimizer.pt: ... unexpected pos ...; no space left on device "
+         "(N bytes free ...)); kept <previous checkpoint>; ...`", "the previous checkpoint",
+         "test_disk_full.py::test_a_full_disk_is_named_when_torch_does_not_say_so"),
     Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)",
          "`could not append step N to <run>/metrics.jsonl "
          "(No space left on device); rows up to the last checkpoint resume with --resume`",

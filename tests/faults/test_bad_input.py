@@ -130,3 +130,64 @@ def test_replay_violation_names_the_batch_sample():
             finally:
                 for h in hooks:
                     h.remove()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.num_heads=3"], "command-line override 'model.num_heads=3': model.num_heads=3 must be a multiple of "
+                            "model.num_kv_heads=2"),
+    (["model.head_dim=31"], "command-line override 'model.head_dim=31': model.head_dim=31 must be even"),
+    (["model.hidden_size=100"], "command-line override 'model.hidden_size=100': model.hidden_size=100 and "
+                                "model.moe_intermediate_size=128 must be multiples of 8"),
+    (["model.preset=deepseek_v3", "model.head_dim=30"], "command-line override 'model.head_dim=30': "
+                                                        "model.head_dim=30 must be a multiple of 4"),
+    (["model.preset=deepseek_v3", "model.num_experts=2"],
+     "command-line override 'model.num_experts=2': model.num_experts=2 / model.n_group=2 must leave at least 2 experts"),
+], ids=["heads", "head_dim", "grouped_mm", "mla_head_dim", "experts_per_group"])
+def test_model_shapes_are_checked_before_anything_is_written(tmp_path, overrides, expected):
+    msg = fails_with([ARM, *overrides, "warm_start.enabled=false", f"tracking.output_dir={tmp_path}"])
+    assert msg.startswith(f"config error: {expected}"), msg
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_data_file_that_is_not_utf8_names_file_line_and_split(tmp_path):
+    good = [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(4)]
+    test = _gsm(tmp_path / "test.jsonl", good)
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(test.read_bytes() + '{"question": "caf\u00e9?", "answer": "#### 1"}\n'.encode("latin-1"))
+    out = tmp_path / "runs"
+    msg = fails_with([ARM, "data.task=gsm8k", f"data.train_path={test}", f"data.test_path={latin}",
+                      "warm_start.enabled=false", f"tracking.output_dir={out}"])
+    assert msg == (f"error: data.test_path: {latin}: line 5 is not UTF-8 text (byte 0xe9 at column 18); "
+                   f"expected one UTF-8 JSON object per line (--debug shows the traceback)"), msg
+    assert not out.exists()
+
+
+def test_a_bad_yaml_value_in_an_override_names_the_override(tmp_path):
+    msg = fails_with([ARM, "trainer.lr=[1", f"tracking.output_dir={tmp_path}"])
+    assert msg.startswith("config error: command-line override 'trainer.lr=[1': the value is not valid YAML ("), msg
+    assert not any(tmp_path.iterdir())
+
+
+def test_cross_key_errors_name_the_layer_that_set_the_value(tmp_path):
+    from kill_harness import REPO
+
+    base = REPO / "experiments" / "00_tiny_moe_cpu" / "base.yaml"
+    arm = tmp_path / "arm.yaml"
+    arm.write_text(f"base: {base}\narm: a\n")
+    rule = r"rollout.prompts_per_step \* rollout.group_size must be divisible by trainer.mini_batches"
+    with pytest.raises(ConfigError, match=rf"^command-line override 'trainer.mini_batches=5': {rule}"):
+        load_config(arm, ["trainer.mini_batches=5"])
+    arm.write_text(f"base: {base}\narm: a\ntrainer:\n  mini_batches: 5\n")
+    with pytest.raises(ConfigError, match=rf"^{arm}: {rule}"):
+        load_config(arm, ["trainer.lr=0.001"])
+
+
+def test_an_empty_arm_file_and_duplicate_keys_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=rf"^{empty}: empty config file \(expected a mapping"):
+        load_config(empty)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("trainer:\n  lr: 0.001\n  steps: 3\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=rf"^{twice}: key 'lr' appears twice \(lines 2 and 4\); keep one"):
+        load_config(twice)

@@ -23,12 +23,13 @@ def test_killed_run_resumes_identically(tmp_path, reference_run):
 
 @pytest.mark.faults
 @pytest.mark.parametrize("schedule", [
-    ["step:2", "checkpoint_write:2", "prune:1", "after_checkpoint:1", "final_eval:1"],  # every point once
+    # every point once; truncate:1 kills the resume that drops the row checkpoint_write:2 left behind
+    ["step:2", "checkpoint_write:2", "truncate:1", "prune:1", "after_checkpoint:1", "final_eval:1"],
     *[seeded_schedule(seed, steps=4, kills=4) for seed in range(3)],
 ], ids=["every-point", "seed0", "seed1", "seed2"])
 def test_kill_schedules(tmp_path, reference_run, schedule):
     codes = run_with_kills(tmp_path, schedule)
     assert codes[-1] == 0 and all(c in (0, -signal.SIGKILL) for c in codes)
     if schedule[0] == "step:2":  # the hand-made schedule reaches every point: each kill happens
-        assert codes == [-signal.SIGKILL] * 5 + [0]
+        assert codes == [-signal.SIGKILL] * len(schedule) + [0]
     assert_identical_runs(reference_run, run_dir(tmp_path))

@@ -66,3 +66,34 @@ def test_crash_leftovers_are_cleaned(tmp_path, kill_at):
     assert len(incomplete_dirs(tmp_path)) == 3
     _save(tmp_path, 4)
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
+
+
+def test_a_kill_inside_the_truncation_loses_no_row(tmp_path, kill_at, reference_run, monkeypatch):
+    """Killed while a resume drops the rows after its checkpoint (the backup written, the kept rows not
+    yet): metrics.jsonl still holds every old row, and the next resume ends as the uninterrupted run."""
+    from moerl import tracking
+    from moerl.tracking import read_metrics
+
+    cfg = load_config(ARM, overrides(tmp_path))
+    kill_at("checkpoint_write", 2)  # step 2's row logged, its checkpoint not: a resume drops that row
+    trainer = GRPOTrainer(cfg, cfg.run_dir, progress=False)
+    with pytest.raises(Killed):
+        trainer.train()
+    trainer.tracker.close()
+    metrics = cfg.run_dir / "metrics.jsonl"
+    before = read_metrics(metrics)
+    assert [r["step"] for r in before] == [0, 1, 2]
+    real = tracking.atomic_write_text
+
+    def killed_before_the_kept_rows(path, text):
+        if path.name == "metrics.jsonl":
+            raise Killed("inside the truncation")
+        real(path, text)
+
+    monkeypatch.setattr(tracking, "atomic_write_text", killed_before_the_kept_rows)
+    with pytest.raises(Killed):
+        GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False)
+    monkeypatch.setattr(tracking, "atomic_write_text", real)
+    assert read_metrics(metrics) == before
+    GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
+    assert_identical_runs(reference_run, cfg.run_dir)

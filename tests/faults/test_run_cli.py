@@ -72,7 +72,8 @@ def test_print_config_writes_nothing(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-def test_run_says_where_it_writes_and_how_to_sync(tmp_path, capsys):
+def test_run_says_where_it_writes_and_how_to_sync(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb; this run asks for offline
     tiny = ["warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=1",
             "trainer.mini_batches=1", "trainer.eval_size=4", "trainer.eval_every=0", "data.train_size=64",
             "data.test_size=4", "tracking.wandb_mode=offline", f"tracking.output_dir={tmp_path}", "threads=1"]
@@ -96,3 +97,51 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(ConfigError):
         run_script.main([ARM, "--debug", "trainer.stpes=3"])
+
+
+def test_a_live_run_has_one_writer(tmp_path):
+    """A second start or a --resume of a run that is live is refused, naming the live process; the
+    live run's rows are untouched (no truncation under its writer, no second writer)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kill_harness import RUN
+    from moerl.tracking import read_metrics
+
+    args = overrides(tmp_path, steps=40)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "disabled"}
+    env.pop("MOERL_FAULT", None)
+    live = subprocess.Popen([sys.executable, str(RUN), "--no-progress", ARM, *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = load_config(ARM, args).run_dir
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step_1" / "state.json").exists():
+            assert live.poll() is None and time.monotonic() < deadline, "the live run never checkpointed"
+            time.sleep(0.2)
+        for extra in (["--resume"], []):
+            msg = fails_with([ARM, *extra, *args])
+            assert f"{run} is in use by process {live.pid}" in msg, msg
+        assert live.poll() is None
+    finally:
+        live.kill()
+        live.wait()
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == list(range(len(steps))) and len(steps) >= 2
+
+
+def test_wandb_disabled_in_the_environment_is_honoured(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from moerl.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with caplog.at_level(logging.INFO):
+        tracker = Tracker(tmp_path / "run", load_config(None, ["tracking.wandb_mode=offline"]))
+    mirror = tracker.wandb
+    tracker.close()
+    assert mirror is None and not (tmp_path / "run" / "wandb").exists()
+    assert "wandb disabled by WANDB_MODE=disabled in the environment (tracking.wandb_mode=offline ignored)" \
+        in caplog.text

@@ -168,3 +168,19 @@ def test_rollout_kernels_choice():
     assert not isinstance(rollout_kernels("native", torch.bfloat16), EmulatedLowPrecision)
     with pytest.raises(ValueError, match="rollout.kernels"):
         rollout_kernels("fast", torch.bfloat16)
+
+
+def test_a_write_through_data_between_calls_is_seen():
+    """Refit appliers write ``param.data``, which does not bump the version counter: a cache trusted
+    across generate calls would keep multiplying by the old weights."""
+    layer = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    x = rand_bf16(4, 16, seed=14)
+    mode = EmulatedLowPrecision()
+    with torch.no_grad():
+        with mode:
+            before = layer(x)
+        layer.weight.data.copy_(rand_bf16(8, 16, seed=15))
+        with mode:
+            after = layer(x)
+    assert not torch.equal(before, after)
+    assert_matches_reference(after, f32(x) @ f32(layer.weight).T)

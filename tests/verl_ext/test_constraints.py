@@ -85,6 +85,19 @@ def test_epochs_rule_counts_verl_steps():
                                                         train_prompts=7500))
     f = _rules(spec, "verl.epochs")["verl.epochs_reach_steps"]
     assert not f.ok and "stops at step 117" in f.detail and "total_epochs=2" in f.detail
+    assert "V1 trainer" in f.detail and "v1/trainer_base.py" in f.source  # the loop verl 0.9.1 runs
+
+
+def test_epochs_rule_cites_the_loop_main_ppo_runs():
+    """verl 0.9.1's main_ppo runs the V1 trainer when trainer.use_v1, which ppo_megatron_trainer sets."""
+    import inspect
+
+    from verl.trainer import main_ppo
+
+    from moerl.verl_ext.compose import compose_overrides, select
+
+    assert "if config.trainer.use_v1:" in inspect.getsource(main_ppo)
+    assert select(compose_overrides([]), "trainer.use_v1") is True
 
 
 def test_every_rule_names_an_upstream_source():

@@ -81,7 +81,7 @@ def test_cli_overrides_seed_and_wandb_group(capsys):
     out = capsys.readouterr().out
     assert "trainer.total_training_steps=20" in out and "actor_rollout_ref.rollout.seed=7" in out
     assert "WANDB_RUN_GROUP=03_qwen3_30b_a3b_lora_mitigations" in out
-    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7" in out
+    assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7,ep:4" in out
     assert "GPU-hours = 8 GPUs x 20 steps" in out
 
 
@@ -89,3 +89,60 @@ def test_cli_override_that_breaks_a_rule_exits_2(capsys):
     argv = [str(EXP / "01_kimi_k2_lora_grpo"), "--dry-run", "actor_rollout_ref.rollout.expert_parallel_size=32"]
     assert launch.main(argv) == 2
     assert "[verl.rollout_ep_equals_tp_dp]" in capsys.readouterr().err
+
+
+def _cli_failures(argv, capsys) -> str:
+    """Run the launcher's dry-run; it must exit 2 with named rules and no traceback."""
+    assert launch.main(argv + ["--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_lora_rank_zero_is_refused_not_full_fine_tuning(capsys):
+    err = _cli_failures([str(MOON.parent), "actor_rollout_ref.model.lora.rank=0"], capsys)
+    assert "[lora.rank_positive]" in err and "megatron_peft.py" in err
+
+
+def test_pipeline_that_does_not_divide_names_the_rules_instead_of_crashing(capsys):
+    err = _cli_failures([str(MOON.parent), "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=5"], capsys)
+    assert "[megatron.world_size]" in err and "[megatron.layer_distribution]" in err
+    assert "ZeroDivisionError" not in err
+
+
+def test_gpu_memory_utilization_outside_vllms_range(capsys):
+    err = _cli_failures([str(MOON.parent), "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], capsys)
+    assert "[vllm.gpu_memory_utilization_range]" in err and "vllm/config/cache.py" in err
+
+
+def test_reference_settings_without_a_reference_model(tmp_path):
+    msg = _failed(_bad(tmp_path, MOON, {"actor_rollout_ref": {"ref": {"megatron": {"param_offload": True}}}}))
+    assert "[verl.ref_settings_need_a_reference_model]" in msg and "ref_in_actor" in msg
+
+
+def test_a_rule_that_crashes_is_its_own_failure_and_the_others_still_run(monkeypatch, capsys):
+    from moerl.verl_ext import constraints as C
+
+    def boom(spec):
+        raise KeyError("something the rule did not expect")
+
+    monkeypatch.setattr(C, "RULES", [("test.crashes", "verl 0.9.1: test", boom)] + list(C.RULES))
+    err = _cli_failures([str(MOON.parent), "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], capsys)
+    assert "[test.crashes] the rule could not be evaluated" in err and "KeyError" in err
+    assert "[vllm.gpu_memory_utilization_range]" in err  # rules after the crashing one still ran
+
+
+def test_shared_expert_adapter_needs_a_bridge_that_syncs_it_across_ep(tmp_path, monkeypatch):
+    """Bridge < 0.5.1 trains one copy per EP rank: the model would change with EP."""
+    exp, cfg, checks, _ = launch.prepare(MOON.parent)
+    ok = next(c for c in checks if c.name == "bridge.shared_expert_adapter_under_ep")
+    assert ok.ok and "identical on the 8 EP ranks" in ok.detail and "compare runs at one EP size" in ok.detail
+    monkeypatch.setattr(launch, "bridge_version_for_run", lambda: "0.5.0")
+    msg = _failed(MOON.parent)
+    assert "[bridge.shared_expert_adapter_under_ep]" in msg and "8 adapters per MoE layer" in msg
+
+
+def test_sequential_mlp_experts_would_not_share_the_adapter(tmp_path):
+    d = _bad(tmp_path, MOON, {"actor_rollout_ref": {"actor": {"megatron": {"override_transformer_config": {
+        "+moe_grouped_gemm": False}}}}})
+    assert "[bridge.shared_expert_adapter_under_ep]" in _failed(d)

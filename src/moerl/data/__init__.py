@@ -6,6 +6,14 @@ from moerl.data.datasets import DataError, load_hub, load_local
 from moerl.data.synthetic import arith_splits, worked_splits
 
 
+def _named(load, key: str, path: str, task: str) -> list[dict]:
+    """``load(path, task)``, its DataError prefixed with the config key (train or test split) it came from."""
+    try:
+        return load(path, task)
+    except DataError as err:
+        raise DataError(f"{key}: {err}") from None
+
+
 def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     """(train, test) rows ``{"question", "answer"}`` for the configured task; a DataError (naming
     the file) when a split read from a file has no usable row. Without data.test_path the test
@@ -15,8 +23,8 @@ def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     if cfg.task == "arith_steps":
         return worked_splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.max_a, cfg.max_bc)
     if cfg.train_path:
-        train = load_local(cfg.train_path, cfg.task)
-        test = load_local(cfg.test_path, cfg.task) if cfg.test_path else None
+        train = _named(load_local, "data.train_path", cfg.train_path, cfg.task)
+        test = _named(load_local, "data.test_path", cfg.test_path, cfg.task) if cfg.test_path else None
         sources = (cfg.train_path, cfg.test_path)
     elif cfg.hub_id:
         train, test = load_hub(cfg.hub_id, "train", cfg.task), load_hub(cfg.hub_id, "test", cfg.task)

@@ -127,7 +127,12 @@ def load_local(path: str | Path, task: str) -> list[dict]:
                         f"with a question and an answer)")
     if kind == "jsonl":  # read here so a bad line is named by its line number
         records = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for n, raw in enumerate(path.read_bytes().splitlines(), start=1):
+            try:  # per line, so a stray byte is named by its line rather than by an offset into the file
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}: line {n} is not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                f"{err.start + 1}); expected one UTF-8 JSON object per line") from None
             if not line.strip():
                 continue
             try:

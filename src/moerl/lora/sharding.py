@@ -279,3 +279,26 @@ def gather_stages(stages: Sequence[Mapping[str, torch.Tensor]], num_layers: int)
                 raise ShardingError(f"{name}: sent by two pipeline stages")
             out[name] = t
     return out
+
+
+# ---- Megatron-Bridge's export of expert adapters to per-expert (vLLM) names ----------------------
+
+
+def bridge_export_expert_factor(gathered: Sequence[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """``[E, ...]``: the factor vLLM receives for each global expert, laid out as Megatron-Bridge
+    exports it (megatron-bridge 0.6: models/conversion/peft_bridge.py ``_gather_expert_adapter_weight``
+    all-gathers the factor over EP, ``_select_expert_adapter_weight`` picks for expert e the copy of
+    its owning EP rank ``e // (E / EP)``, and the local slice when the factor is per expert).
+
+    ``gathered[r]``: EP rank r's factor, ``[E/EP, ...]`` per expert or a 2-D shared factor. A shared
+    factor therefore reaches vLLM as EP rank r's copy under every name of rank r's experts: one
+    adapter per MoE layer only while the EP ranks' copies are identical."""
+    ep = len(gathered)
+    if num_experts % ep:
+        raise ShardingError(f"{num_experts} experts do not split over EP={ep}")
+    per = num_experts // ep
+    out = []
+    for e in range(num_experts):
+        w = gathered[e // per]
+        out.append(w[e % per] if w.ndim > 2 else w)
+    return torch.stack(out)

@@ -14,6 +14,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from moerl.rollout.precision import compute_dtype
 import torch.multiprocessing as mp
 
 from moerl.refit.plan import CorruptBucketError, RefitError, TransferPlan, bucket_region
@@ -44,8 +46,7 @@ def _build_engine(cfg, mode: str, base: dict, adapter: dict | None):
     if HFEngine is not None:
         engine = HFEngine(model, tok, cfg.rollout, cfg.data.task)
         return engine, engine.model
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
-    dtype = dtypes[cfg.rollout.dtype]
+    dtype = compute_dtype(cfg.rollout.dtype)
     model = model.to(dtype).eval().requires_grad_(False)
     return None, model
 
@@ -125,8 +126,7 @@ class EngineProcess:
 
         self.mode = mode or cfg.refit.mode
         self.timeout = timeout
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
-        dtype = dtypes[cfg.rollout.dtype]
+        dtype = compute_dtype(cfg.rollout.dtype)
         if self.mode == "adapter":
             base = base_state_dict(policy, dtype)
             adapter = {k: v.to(dtype).clone() for k, v in canonical_adapter(policy).items()}

@@ -21,9 +21,10 @@ from moerl.refit.pack import pack_bucket
 from moerl.refit.plan import PlanCache, TransferPlan, dtype_name
 from moerl.refit.receiver import Receiver
 from moerl.refit.weights import merged_sources
+from moerl.rollout.precision import COMPUTE_DTYPES
 
-# An fp8 rollout keeps LoRA tensors in bf16 over its FP8 base: they travel in bf16.
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+# A quantised rollout keeps LoRA tensors in bf16 over its quantised base: they travel in its compute dtype.
+_DTYPES = COMPUTE_DTYPES
 
 
 class LocalTransport:

@@ -1,7 +1,7 @@
 """The embedded rollout engine: its own copy of the policy, in its own precision, over `generate`.
 
-It plays vLLM's role on a CPU: sampling in bf16 (by default; fp8 rounds the weights through e4m3
-as an FP8 rollout does) while the trainer computes in fp32, which is exactly the training-inference
+It plays vLLM's role on a CPU: sampling in bf16 (by default; fp8, int8, nvfp4 and int4 round the weights
+through their formats as quantised rollouts do) while the trainer computes in fp32, which is exactly the training-inference
 mismatch the repo studies. It records every token's
 experts with hooks on the routers while generating (prefill calls see [B*T0] tokens, each decode
 step [B]); like every real engine it never forwards the last sampled token, so that token has no
@@ -21,11 +21,9 @@ from moerl.data.tokenizer import BOS
 from moerl.lora.peft_lora import expert_lora_materialised
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
-from moerl.rollout.fp8 import quantize_model_fp8
+from moerl.rollout.precision import compute_dtype, quantize_model
 from moerl.rollout.kernels import rollout_kernels
 
-# fp8: weights rounded through e4m3 (per-channel scales), computed in bf16 (moerl.rollout.fp8).
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 @contextmanager
@@ -45,11 +43,12 @@ def torch_threads(threads: int | None):
 class HFEngine:
     def __init__(self, policy: nn.Module, tokenizer, cfg: RolloutConfig, task: str = "arith"):
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = compute_dtype(cfg.dtype)
         self.model = copy.deepcopy(policy).to(self.dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.fp8_weights = quantize_model_fp8(self.model) if cfg.dtype == "fp8" else []
+        # fp8 / int8 / nvfp4 / int4: base weights rounded through the format, computed in bf16 (W*A16).
+        self.quantised_weights = quantize_model(self.model, cfg.dtype)
         # native bf16 kernels, or fp32 kernels with bf16 rounding points (moerl.rollout.kernels); one
         # context per engine, so emulation's fp32 weight copies last until the weights change.
         self.kernels = rollout_kernels(cfg.kernels, self.dtype)
@@ -76,8 +75,8 @@ class HFEngine:
             if name not in state:
                 raise KeyError(f"engine has no tensor '{name}'")
             state[name].copy_(tensor.to(state[name].dtype))
-        if self.fp8_weights:  # new base weights: round them through e4m3 again, as an FP8 engine's refit does
-            quantize_model_fp8(self.model)
+        if self.quantised_weights:  # new base weights: quantised again, as a quantised engine's refit does
+            quantize_model(self.model, self.cfg.dtype)
 
     # -- generation ---------------------------------------------------------------------------------
     def encode_prompts(self, questions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,15 +85,19 @@ def emulated_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 
 class WeightCache:
-    """fp32 copies of the weights, made once per weight version instead of on every product.
+    """fp32 copies of the weights, made once per generate call instead of on every product.
 
-    Weights change only at a refit (an in-place ``copy_``, which bumps the tensor's version counter) or
-    when a LoRA fold is materialised (a new tensor); a decode loop multiplies by the same weight once per
-    token. Keys are weak: a weight that is freed drops its copy. Views of a weight (the grouped experts'
-    transposed stacks) share their base's copy. The copies hold exactly the bf16 values, so caching
-    changes no number."""
+    A decode loop multiplies by the same weights once per token, and no weight changes while a batch is
+    generated. Between calls they do (a refit), and a write through ``param.data`` does not bump the
+    parameter's version counter, so the cache is emptied every time the mode is entered rather than
+    trusted across calls; within a call a version change still drops a copy. Keys are weak: a weight that
+    is freed drops its copy. Views of a weight (the grouped experts' transposed stacks) share their
+    base's copy. The copies hold exactly the bf16 values, so caching changes no number."""
 
     def __init__(self):
+        self._copies = WeakTensorKeyDictionary()
+
+    def clear(self) -> None:
         self._copies = WeakTensorKeyDictionary()
 
     def up(self, weight):
@@ -162,13 +166,17 @@ def _emulations(cache: WeightCache) -> dict:
 
 class EmulatedLowPrecision(TorchFunctionMode):
     """Inside this mode, matrix products with a bf16/fp16 operand run as fp32 kernels on the same values
-    and round their output to the operand precision; every other operation runs untouched. One instance
-    per engine keeps its weight cache across generate calls."""
+    and round their output to the operand precision; every other operation runs untouched. Its weight
+    cache lives for one ``with`` block (one generate call)."""
 
     def __init__(self):
         super().__init__()
         self.weights = WeightCache()
         self._table = _emulations(self.weights)
+
+    def __enter__(self):
+        self.weights.clear()  # weights may have changed since the last call (a refit)
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -2,24 +2,41 @@
 data position, refit version and step. Written to a temp directory and renamed, so a crash
 mid-save leaves the previous checkpoint intact; the newest ``keep`` are kept. Pruning renames a
 checkpoint aside before deleting it, and leftovers of a crash (temp or half-deleted directories)
-are removed at the next save, so a kill at any moment leaves nothing that looks like a checkpoint
-but is not one, and nothing that is never cleaned up."""
+are removed at the next save or resume, so a kill at any moment leaves nothing that looks like a
+checkpoint but is not one, and nothing that is never cleaned up.
+
+Each checkpoint ends with ``manifest.json``, written last: the xxh3-64 checksum of every file and the
+config hash of the run. A resume verifies it and, when a file was damaged afterwards (a flipped bit,
+a truncated copy), falls back to the previous intact checkpoint with a warning naming the damaged one.
+Checkpoints written before manifests existed load unverified, with a warning.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from moerl import faults
 
 
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or resumed from; the message names the path."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files differ from its manifest or cannot be read."""
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -46,14 +63,14 @@ def _first_line(err: BaseException) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
-                    keep: int = 2, export=None) -> Path:
+                    keep: int = 2, export=None, config_hash: str | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to ``keep``.
     ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
-    trainer writes the LoRA there as PEFT / vLLM adapters)."""
+    trainer writes the LoRA there as PEFT / vLLM adapters). ``config_hash`` goes into the manifest:
+    a resume with another config is refused even when run.json and config.yaml are gone."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    for junk in incomplete_dirs(run_dir):
-        shutil.rmtree(junk, ignore_errors=True)
+    remove_incomplete(run_dir)
     final = root / f"step_{step}"
     tmp = root / f".step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,11 +89,15 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
             export(current)
         current = tmp / "state.json"
         current.write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
+        current = tmp / MANIFEST  # last: it vouches for every file above
+        current.write_text(json.dumps({"config_hash": config_hash, "checksum": "xxh3_64",
+                                       "files": _digests(tmp)}, indent=1) + "\n")
     except Exception as err:  # noqa: BLE001 - disk full surfaces as OSError, SafetensorError or RuntimeError
+        reason = _first_line(err) + _no_space_hint(err, root)
         shutil.rmtree(tmp, ignore_errors=True)
         saved = checkpoint_dirs(run_dir)
         kept = f"kept {saved[-1]}" if saved else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write checkpoint {final} ({current.name}: {_first_line(err)}); "
+        raise CheckpointError(f"could not write checkpoint {final} ({current.name}: {reason}); "
                               f"{kept}; free space and continue with --resume") from err
     if final.exists():
         _remove(final)
@@ -84,6 +105,43 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
     for old in checkpoint_dirs(run_dir)[:-keep]:
         _remove(old)
     return final
+
+
+def remove_incomplete(run_dir: Path) -> None:
+    """Delete what a killed save or prune left behind (see ``incomplete_dirs``)."""
+    for junk in incomplete_dirs(run_dir):
+        shutil.rmtree(junk, ignore_errors=True)
+
+
+def _no_space_hint(err: BaseException, root: Path) -> str:
+    """Torch's writer reports a full disk as 'file write failed': say what happened when it did."""
+    if "no space left" in str(err).lower():
+        return ""
+    chain, errnos = err, set()
+    while chain is not None:
+        errnos.add(getattr(chain, "errno", None))
+        chain = chain.__cause__ or chain.__context__
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if 28 in errnos or (free is not None and free < 1 << 20):  # ENOSPC, or under 1 MiB left
+        return f"; no space left on device ({free} bytes free on the checkpoint's filesystem)"
+    return ""
+
+
+def _file_digest(path: Path) -> str:
+    """xxh3-64 of a file's bytes (as the refit buckets use: faster than reading it from disk)."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): _file_digest(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
 
 
 def _remove(path: Path) -> None:
@@ -101,9 +159,60 @@ def _remove(path: Path) -> None:
     aside.rmdir()
 
 
+def _read(path: Path) -> tuple[dict, dict, dict, dict]:
+    """(LoRA tensors, optimizer state, RNG states, state.json) of a checkpoint; a file that cannot be
+    read is a DamagedCheckpointError naming it."""
+    current = path / "lora.safetensors"
+    try:
+        tensors = load_file(current)
+        current = path / "optimizer.pt"
+        optimizer = torch.load(current, weights_only=False)
+        current = path / "rng.pt"
+        rng = torch.load(current, weights_only=False)
+        current = path / "state.json"
+        state = json.loads(current.read_text())
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("expected a JSON object with a 'step'")
+    except Exception as err:  # noqa: BLE001 - safetensors, pickle, zip and JSON errors name no path
+        raise DamagedCheckpointError(f"{current}: cannot be read ({_first_line(err)})") from err
+    return tensors, optimizer, rng, state
+
+
+def verify_checkpoint(path: Path, config_hash: str | None = None) -> None:
+    """Check a checkpoint against its manifest (every file's checksum, and the config hash when
+    given), then that every file reads. DamagedCheckpointError names the file; a checkpoint of
+    another config is a RunMismatchError. Without a manifest (written by an older version) only
+    the reading is checked, with a warning."""
+    from moerl.tracking import RunMismatchError
+
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        log.warning("%s has no %s (written before checkpoints carried checksums): loading it unverified",
+                    path, MANIFEST)
+    else:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            files = manifest["files"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise DamagedCheckpointError(f"{manifest_path}: cannot be read ({_first_line(err)})") from err
+        recorded = manifest.get("config_hash")
+        if config_hash is not None and recorded is not None and recorded != config_hash:
+            raise RunMismatchError(f"{path} was written by a run of config hash {recorded}, this config's hash is "
+                                   f"{config_hash}: cannot resume it with another config; use the run's own config "
+                                   f"(see --print-config), or --fresh")
+        for name, digest in files.items():
+            file = path / name
+            if not file.is_file():
+                raise DamagedCheckpointError(f"{file}: missing (listed in {MANIFEST})")
+            if _file_digest(file) != digest:
+                raise DamagedCheckpointError(f"{file}: checksum mismatch (written {digest}, now "
+                                             f"{_file_digest(file)}): the file changed after it was saved")
+    _read(path)
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Restore into ``model`` (trainable tensors by name) and ``optimizer``; return state.json."""
-    tensors = load_file(path / "lora.safetensors")
+    tensors, optimizer_state, rng, state = _read(path)
     params = dict(model.named_parameters())
     unknown = [k for k in tensors if k not in params]
     if unknown:
@@ -111,12 +220,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    optimizer.load_state_dict(optimizer_state)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    return json.loads((path / "state.json").read_text())
+    return state
 
 
 class RunFinishedError(CheckpointError):
@@ -142,4 +250,19 @@ def resumable_checkpoint(run_dir: Path, cfg) -> Path:
         when = f"its first checkpoint at step {every}" if every else "its only checkpoint, at the end"
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from (the run stopped before {when}); "
                               f"start it over with --fresh")
-    return saved[-1]
+    from moerl.config import config_hash
+
+    damaged = []
+    for path in reversed(saved):
+        try:
+            verify_checkpoint(path, config_hash(cfg))
+        except DamagedCheckpointError as err:
+            damaged.append((path, err))
+            continue
+        for bad, err in damaged:
+            log.warning("damaged checkpoint %s (%s): resuming from the previous complete checkpoint %s",
+                        bad, err, path)
+        return path
+    names = ", ".join(str(p) for p, _ in damaged)
+    raise CheckpointError(f"{run_dir}: no intact checkpoint to resume from ({damaged[0][1]}); start the run over "
+                          f"with --fresh (it moves the run aside), or delete the damaged checkpoint(s) {names}")

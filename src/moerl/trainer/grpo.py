@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import os
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ExperimentConfig, resolved_threads
+from moerl.config import ExperimentConfig, config_hash, resolved_threads
 from moerl.data import DataError, load_splits
 from moerl.lora.export import export_adapter
 from moerl.lora.peft_lora import apply_lora
@@ -34,10 +36,12 @@ from moerl.replay.trace import RoutingTrace
 from moerl.reward import batch_rewards
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.hf import HFEngine
+from moerl.runlock import lock_run, unlock_run
 from moerl.tracking import Tracker
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
-from moerl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, resumable_checkpoint, save_checkpoint
+from moerl.trainer.checkpoint import (checkpoint_dirs, load_checkpoint, remove_incomplete, resumable_checkpoint,
+                                     save_checkpoint)
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
@@ -113,13 +117,15 @@ def _micro_batch_trace(replay: RoutingTrace | None, batch: RolloutBatch, sub: Ro
 class GRPOTrainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
+        lock_run(self.run_dir)  # one writer per run directory (scripts/run.py takes it earlier)
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg)
+            remove_incomplete(self.run_dir)  # a kill mid-prune of the last checkpoint leaves a .deleting
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
         torch.manual_seed(cfg.seed)
-        self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
@@ -215,7 +221,7 @@ class GRPOTrainer:
         self.step_idx += 1
         metrics = {"step": self.step_idx,
                    "reward/mean": float(batch.rewards.mean()),
-                   "reward/group_solved_frac": float(_group_solved(batch)),
+                   "reward/mixed_group_frac": float(_mixed_groups(batch)),
                    "response/length_mean": float(batch.response_lengths.float().mean()),
                    "lr": self.optimizer.param_groups[0]["lr"],
                    **mismatch_metrics(old_logp, batch.rollout_logprobs, mask),
@@ -361,7 +367,14 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        acc = evaluate_policy(self.engine, self.test_rows, seed=self.cfg.data.seed)
+        """Held-out pass@1 and greedy accuracy, by the rollout engine or by an fp32 copy of the policy
+        (``trainer.eval_precision``)."""
+        engine = self.engine
+        if self.cfg.trainer.eval_precision == "fp32":
+            rollout = dataclasses.replace(self.cfg.rollout, engine="hf", dtype="fp32", kernels="native",
+                                          capture_routing=False)
+            engine = HFEngine(self.policy, self.tokenizer, rollout, self.cfg.data.task)
+        acc = evaluate_policy(engine, self.test_rows, seed=self.cfg.data.seed)
         return {f"eval/{k}": v for k, v in acc.items()}
 
     def save_token_samples(self, old_logp, batch: RolloutBatch, mask) -> None:
@@ -381,7 +394,8 @@ class GRPOTrainer:
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
-                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base))
+                        export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
+                        config_hash=config_hash(self.cfg))
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:
@@ -420,6 +434,7 @@ class GRPOTrainer:
         self.tracker.close()
         if hasattr(self.engine, "close"):
             self.engine.close()
+        unlock_run(self.run_dir)
 
     def summarise(self) -> dict:
         from moerl.tracking import read_metrics
@@ -464,7 +479,7 @@ def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
     return train, test
 
 
-def _group_solved(batch: RolloutBatch) -> float:
+def _mixed_groups(batch: RolloutBatch) -> float:
     """Fraction of groups with mixed rewards (the only groups that carry a GRPO signal)."""
     mixed = [float(batch.rewards[batch.group == g].std() > 0) for g in batch.group.unique()]
     return sum(mixed) / len(mixed)

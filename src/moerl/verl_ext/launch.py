@@ -76,6 +76,17 @@ def vllm_version_for_run() -> tuple[str, str]:
         return (pin or "0"), "requirements-gpu.txt pin" if pin else "not installed and not pinned"
 
 
+def bridge_version_for_run() -> str | None:
+    """The installed Megatron-Bridge, else the version requirements-gpu.txt installs (its install
+    line is a comment: Bridge goes in with --no-deps)."""
+    ver = _installed_version("megatron-bridge")
+    if ver:
+        return ver
+    req = REPO / "requirements-gpu.txt"
+    m = re.search(r"megatron-bridge==([0-9][^\s;#]*)", req.read_text()) if req.exists() else None
+    return m.group(1) if m else None
+
+
 def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
     a = "actor_rollout_ref.actor.megatron."
     r = "actor_rollout_ref.rollout."
@@ -113,28 +124,85 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
     )
 
 
-def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
+def experiment_lora_rank(exp: Experiment) -> int | None:
+    """The LoRA rank the experiment's own files set (None: the experiment is not a LoRA one). The
+    files' overrides come first in ``exp.overrides``, before launcher and command-line ones."""
+    key = "actor_rollout_ref.model.lora.rank"
+    if key not in exp.origin:
+        return None
+    for o in exp.overrides:
+        k, _, v = o.partition("=")
+        if k.lstrip("+") == key:
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _guarded(checks: list[Check], name: str, fn) -> None:
+    """Run one group of moerl's checks; an exception inside it is that check's failure, so every
+    other rule still runs and is reported."""
+    try:
+        fn()
+    except Exception as err:  # a crash on odd input must not hide the other rules' verdicts
+        checks.append(Check(name, False, f"could not be evaluated on this config ({type(err).__name__}: {err}); "
+                                         f"see the other failed rules"))
+
+
+def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
     """Every constraint on a composed config: the upstream rules of ``constraints`` (Megatron-Core,
-    vLLM, verl, LoRA targets) plus moerl's own (R3/R2 flags, replay layer mapping, losses, the
-    capacity plan). Returns the checks and the capacity plan."""
+    vLLM, verl, LoRA targets, Megatron-Bridge) plus moerl's own (R3/R2 flags, replay layer mapping,
+    losses, the capacity plan). Every rule runs even when another fails or crashes. Returns the
+    checks and the capacity plan (None when the layout cannot be planned)."""
     moerl = exp.moerl
     if "model" not in moerl:
         raise ExperimentError(f"{exp.files[-1]}: moerl.model is required (a public config name, "
                               f"e.g. kimi_k2)")
     mcfg = planner.load_public_config(moerl["model"])
-    lay = layout_from_cfg(cfg, moerl)
-    p = planner.plan(mcfg, lay)
-    ver, src = vllm_version_for_run()
-    spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver)
-    checks = [Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec)]
+    checks: list[Check] = []
+    state: dict = {"plan": None}
 
     def check(name, ok, detail):
         checks.append(Check(name, bool(ok), detail))
 
-    check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
-          f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
+    def capacity():
+        state["plan"] = planner.plan(mcfg, layout_from_cfg(cfg, moerl))
 
-    # Router replay
+    _guarded(checks, "memory.fits", capacity)
+    p = state["plan"]
+
+    def upstream():
+        ver, _ = vllm_version_for_run()
+        spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver,
+                                          lora_experiment_rank=experiment_lora_rank(exp),
+                                          bridge_version=bridge_version_for_run())
+        checks.extend(Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec))
+
+    _guarded(checks, "constraints", upstream)
+
+    def basics():
+        check("strategy", select(cfg, "actor_rollout_ref.actor.strategy") == "megatron",
+              f"actor.strategy={select(cfg, 'actor_rollout_ref.actor.strategy')} (Megatron backend expected)")
+        check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
+              f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
+        check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
+              "GRPO needs rollout.n > 1 samples per prompt")
+
+    _guarded(checks, "basics", basics)
+    _guarded(checks, "replay", lambda: _replay_checks(cfg, mcfg, check))
+    _guarded(checks, "loss", lambda: _loss_checks(cfg, check))
+    _guarded(checks, "verl.ref_settings_need_a_reference_model", lambda: _ref_check(cfg, exp, check))
+
+    if p is not None:
+        check("memory.fits", not p.problems, "; ".join(p.problems) or
+              f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {float(moerl.get('gpu_mem_gib', 80)):.0f} GiB")
+    return checks, p
+
+
+def _replay_checks(cfg, mcfg, check) -> None:
+    """Router replay: R3 needs both flags and a rollout that returns routes; R2/R3 rows must reach
+    the right router (dense-first-layer models)."""
     mode = str(select(cfg, "actor_rollout_ref.actor.megatron.router_replay.mode"))
     flag = bool(select(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay"))
     if mode == "R3" or flag:
@@ -161,7 +229,9 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
         check("r2.no_rollout_flag", not flag, "R2 records in the trainer; rollout.enable_rollout_routing_replay "
               "must stay False")
 
-    # rollout correction and loss
+
+def _loss_checks(cfg, check) -> None:
+    """Rollout correction needs rollout logprobs; a moerl loss must reach the Ray workers."""
     rc = select(cfg, "algorithm.rollout_correction") or {}
     if rc.get("rollout_is") or rc.get("rollout_rs") or rc.get("bypass_mode"):
         check("rollout_correction.logprobs", bool(select(cfg, "actor_rollout_ref.rollout.calculate_log_probs")),
@@ -176,15 +246,25 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan]:
               f"{sorted(env_vars)}); fix: declare the loss as moerl.loss in the experiment so the launcher "
               f"applies moerl.verl_ext.losses.verl_overrides (source: verl 0.9.1: verl/__init__.py imports "
               f"VERL_USE_EXTERNAL_MODULES; verl/trainer/main_ppo.py passes ray_init.runtime_env to ray.init)")
-    check("algorithm.grpo", select(cfg, "algorithm.adv_estimator") == "grpo",
-          f"algorithm.adv_estimator={select(cfg, 'algorithm.adv_estimator')} (GRPO expected)")
-    check("rollout.group_size", int(select(cfg, "actor_rollout_ref.rollout.n")) > 1,
-          "GRPO needs rollout.n > 1 samples per prompt")
 
-    # capacity
-    check("memory.fits", not p.problems, "; ".join(p.problems) or
-          f"trainer {p.trainer_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {lay.gpu_mem_gib:.0f} GiB")
-    return checks, p
+
+def _ref_check(cfg, exp: Experiment, check) -> None:
+    """Reference-model settings in one of this repo's LoRA experiments are dead config that reads as
+    if a separate KL anchor existed. verl 0.9.1 builds a reference worker only when
+    need_reference_policy (a KL term) and not ref_in_actor (LoRA rank > 0: reference logprobs come
+    from the actor with its adapter off), and reads actor_rollout_ref.ref only in that worker
+    (verl/trainer/ppo/utils.py, verl/trainer/ppo/v1/trainer_base.py, verl/workers/engine_workers.py
+    init_model). verl's own examples carry such settings harmlessly, so only experiments under
+    experiments/ are held to it."""
+    ref_keys = sorted(k for k in exp.origin if k.startswith("actor_rollout_ref.ref."))
+    ours = any((REPO / "experiments") in f.parents for f in exp.files)
+    if not ref_keys or not ours or experiment_lora_rank(exp) is None:
+        return
+    check("verl.ref_settings_need_a_reference_model", False,
+          f"{exp.origin[ref_keys[0]]} sets {ref_keys}, but verl builds no reference worker for a LoRA run "
+          f"(ref_in_actor: reference logprobs come from the actor with its adapter off, and only a reference "
+          f"worker reads actor_rollout_ref.ref; verl 0.9.1 verl/trainer/ppo/v1/trainer_base.py, "
+          f"verl/workers/engine_workers.py); fix: drop the actor_rollout_ref.ref settings")
 
 
 def verl_maps_replay_by_layer_number() -> tuple[bool, str]:
@@ -224,7 +304,7 @@ def verl_validate(cfg) -> Check:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Disabled critic as adv_estimator != gae" is expected
             validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    except (AssertionError, ValueError, TypeError, planner.PlanError) as err:
+    except Exception as err:  # verl raises assert/ValueError/TypeError; anything else is its failure too
         return Check("verl.validate_config", False, f"{type(err).__name__}: {err}")
     finally:
         if shim is not None:
@@ -249,7 +329,7 @@ SEED_KEYS = ("actor_rollout_ref.actor.megatron.seed", "actor_rollout_ref.actor.d
 RUNTIME_ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
 
 
-def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
+def launch_overrides(exp: Experiment, seed: int | None = None, extra: list[str] = ()) -> list[str]:
     """What the launcher adds to the experiment's own overrides: the moerl loss (``moerl.loss``,
     through ``losses.verl_overrides``, so its env reaches Ray workers and verl's clip keys match),
     the wandb group and tags of the experiment/arm (wandb reads WANDB_RUN_GROUP/WANDB_TAGS in the
@@ -263,6 +343,9 @@ def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
     group = exp.name.split("/")[0]
     # "arm:<arm>" / "seed:<n>": the form moerl.results.load_wandb_runs reads a run's key from
     tags = [group] + ([f"arm:{exp.arm}"] if exp.arm else []) + ([f"seed:{seed}"] if seed is not None else [])
+    ep = _experiment_ep(exp.overrides + list(extra))
+    if ep is not None:  # shared expert adapters clip at an EP-dependent norm: runs compare at one EP only
+        tags.append(f"ep:{ep}")
     out += [f"{RUNTIME_ENV}.WANDB_RUN_GROUP={group}",
             f"{RUNTIME_ENV}.WANDB_TAGS='{','.join(tags)}'"]
     if seed is not None:
@@ -270,20 +353,37 @@ def launch_overrides(exp: Experiment, seed: int | None = None) -> list[str]:
     return out
 
 
+def _experiment_ep(overrides: list[str]) -> int | None:
+    key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+    vals = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return int(vals[-1]) if vals and vals[-1].isdigit() else None
+
+
 def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None):
     """Compose + validate; raise ConstraintError listing every failed constraint.
 
     ``extra`` are Hydra overrides from the command line (applied last, so they win)."""
     exp = load_experiment(directory, arm)
-    exp.overrides = exp.overrides + launch_overrides(exp, seed) + list(extra)
+    exp.overrides = exp.overrides + launch_overrides(exp, seed, extra) + list(extra)
     cfg = compose_experiment(exp)
     checks, p = validate(cfg, exp)
     checks.append(verl_validate(cfg))
     failed = [c for c in checks if not c.ok]
-    if failed:
+    if failed or p is None:
         lines = "\n".join(f"  [{c.name}] {c.detail}" for c in failed)
         raise ConstraintError(f"{exp.name} ({exp.files[-1]}): {len(failed)} constraint(s) broke:\n{lines}")
     return exp, cfg, checks, p
+
+
+def rung_file(experiment: str | Path, rung: int) -> Path:
+    """``<experiment>/bringup/rung<N>.yaml``, or an error naming the rungs this experiment has."""
+    d = Path(experiment)
+    f = d / "bringup" / f"rung{rung}.yaml"
+    if not f.exists():
+        have = sorted(p.stem for p in (d / "bringup").glob("rung*.yaml"))
+        raise ExperimentError(f"{d.name} has no bring-up rung {rung} (has {have}; rung 4 is the full run without "
+                              f"--rung); its README's bring-up ladder says which experiment's rung to run instead")
+    return f
 
 
 def gpu_hours(exp: Experiment, cfg) -> str:
@@ -292,6 +392,10 @@ def gpu_hours(exp: Experiment, cfg) -> str:
     minutes = exp.moerl.get("est_step_minutes")
     steps = select(cfg, "trainer.total_training_steps")
     n = int(select(cfg, "trainer.nnodes")) * int(select(cfg, "trainer.n_gpus_per_node"))
+    if exp.moerl.get("rung_minutes"):
+        m = float(exp.moerl["rung_minutes"])
+        return (f"GPU-hours ~ {n * m / 60:.1f} for this bring-up rung ({n} GPUs x ~{m:g} min wall, start-up "
+                f"included; moerl.rung_minutes is an estimate, not measured)")
     if not steps:
         return "GPU-hours: trainer.total_training_steps unset"
     per_minute = n * int(steps) / 60
@@ -308,10 +412,18 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. experiments/02_kimi_k2_lora_grpo_r3")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied last, e.g. trainer.total_training_steps=10")
     ap.add_argument("--arm", help="arm name for experiments with an arms/ folder")
+    ap.add_argument("--rung", type=int, help="bring-up rung: runs <experiment>/bringup/rung<N>.yaml (see the "
+                    "experiment README's bring-up ladder)")
     ap.add_argument("--seed", type=int, help=f"seed for {', '.join(SEED_KEYS)}")
     ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
     ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    if args.rung is not None:
+        try:
+            args.experiment = str(rung_file(args.experiment, args.rung))
+        except ExperimentError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         print(f"error: overrides must be key=value, got {bad}", file=sys.stderr)
@@ -324,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         print(f"ok  [{c.name}] {c.detail}")
     print(f"plan: trainer {p.trainer_gib:.1f} GiB/GPU, rollout {p.rollout_gib:.1f} GiB/GPU "
-          f"(python scripts/plan.py {exp.directory.name}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
+          f"(python scripts/plan.py {args.experiment}{' --arm ' + exp.arm if exp.arm else ''} for detail)")
     print(gpu_hours(exp, cfg))
     env = env_for(cfg)
     cmd = build_command(exp, args.python)
@@ -333,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_command(cmd, env))
     if args.dry_run:
         return 0
+    log = env.get("VERL_FILE_LOGGER_PATH")
+    if log:  # verl's FileLogger opens this path without creating its folder
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
     return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
 
 

@@ -1,0 +1,45 @@
+"""Check a run's first steps against the invariants every healthy GRPO run meets; exit 1 naming each
+one that fails.
+
+    python scripts/check_first_steps.py RUN [--experiment experiments/04_moonlight_16b_a3b_r3] [--r3]
+    RUN: a moerl run directory, a verl file-logger .jsonl, a verl console log, or wandb:ENTITY/PROJECT/RUN_ID
+
+The invariants, their reasons and the bf16 floors: moerl.verl_ext.first_steps.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moerl.verl_ext import first_steps as fs
+
+
+def main(argv: list[str] | None = None, api=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run")
+    ap.add_argument("--experiment", help="scale experiment directory or arm YAML: gives the family and R3 mode")
+    ap.add_argument("--family", help=f"model family for the bf16 floor ({', '.join(sorted(fs.BF16_K3_FLOOR))})")
+    ap.add_argument("--r3", action="store_true", help="the run uses R3 (auto for moerl runs and --experiment)")
+    ap.add_argument("--floor", type=float, help="override the family's step-1 k3 floor (say why in the run notes)")
+    ap.add_argument("--r3-unlogged-ok", action="store_true",
+                    help="accept an R3 run that logs no replay agreement (verl 0.9.1); prints that R3 was not checked")
+    args = ap.parse_args(argv)
+    try:
+        fam, r3 = fs.family_and_r3(args.run, args.experiment)
+        rows = fs.read_rows(args.run, api=api)
+    except (fs.RunReadError, OSError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    family = args.family or fam
+    verdicts = fs.check(rows, family or "?", r3=bool(args.r3 or r3), floor=args.floor,
+                        r3_unlogged_ok=args.r3_unlogged_ok)
+    for v in verdicts:
+        print(f"{'ok  ' if v.ok else 'FAIL'} [{v.name}] {v.detail}")
+    failed = [v.name for v in verdicts if not v.ok]
+    print(f"{args.run}: " + (f"{len(failed)} invariant(s) failed: {', '.join(failed)}" if failed else
+                             "first steps pass every invariant"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Experiment 07 at CI size: every arm loads with the regime's settings, and one GRPO step runs at every
+rung of the dose ladder (the new quantised rollouts included) and with every mitigation arm."""
+from pathlib import Path
+
+import pytest
+
+from moerl.config import load_config
+from moerl.dose import RUNGS
+from moerl.trainer.grpo import GRPOTrainer
+from tests_helpers import tiny_overrides_for
+
+ARMS = Path(__file__).resolve().parents[2] / "experiments" / "07_dose_threshold" / "arms"
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=8", "model.top_k=2",
+        "model.moe_intermediate_size=16", "model.num_heads=2", "model.num_kv_heads=1",
+        "rollout.max_new_tokens=6", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "trainer.paired_replay_every=1", "trainer.eval_every=0", "trainer.mini_batches=2", "threads=1"]
+
+
+def test_every_arm_loads_in_the_regime():
+    arms = {p.stem: load_config(p) for p in ARMS.glob("*.yaml")}
+    assert set(arms) == {"baseline", "fp32_control", "tis", "mis", "icepop", "r3", "r3_tis"}
+    for name, cfg in arms.items():
+        assert cfg.experiment == "07_dose_threshold" and cfg.arm == name
+        assert cfg.trainer.eval_precision == "fp32" and cfg.rollout.kernels == "emulated"
+        assert cfg.data.task == "arith_steps" and cfg.rollout.dtype == ("fp32" if name == "fp32_control" else "bf16")
+
+
+def one_step(tmp_path, arm, extra=()):
+    cfg = load_config(ARMS / f"{arm}.yaml", tiny_overrides_for(tmp_path) + TINY + list(extra))
+    trainer = GRPOTrainer(cfg, tmp_path / "run", progress=False)
+    try:
+        return trainer.step()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("rung", [r for r in RUNGS if r != "bf16"])
+def test_one_step_at_every_rung(rung, tmp_path):
+    m = one_step(tmp_path, "baseline", [f"rollout.dtype={rung}"])
+    assert m["mismatch/k3"] >= 0 and 0 <= m["routing/any_layer_differs"] <= 1
+    if rung == "fp32":
+        assert m["mismatch/k3"] < 1e-9
+
+
+@pytest.mark.parametrize("arm", ["tis", "mis", "icepop", "r3_tis"])
+def test_one_step_of_every_mitigation(arm, tmp_path):
+    m = one_step(tmp_path, arm)
+    assert 0 <= m["effective/token_frac"] <= 1

@@ -1,0 +1,89 @@
+"""The bring-up ladder: every rung composes and passes the launcher's rules as one command, rung 1
+runs the experiment's own family with R3 on, and the rung checkpoints are real HF checkpoints."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from moerl import planner
+from moerl.verl_ext import first_steps, launch
+from moerl.verl_ext.compose import read_yaml_chain
+
+REPO = Path(__file__).resolve().parents[2]
+EXP = REPO / "experiments"
+RUNGS = sorted(p.relative_to(EXP) for p in EXP.glob("0[1-4]_*/bringup/rung*.yaml"))
+
+_spec = importlib.util.spec_from_file_location("make_bringup_checkpoint", REPO / "scripts" / "make_bringup_checkpoint.py")
+ckpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ckpt)
+
+
+def test_each_scale_experiment_has_its_rungs():
+    names = {str(p) for p in RUNGS}
+    for exp in ("01_kimi_k2_lora_grpo", "02_kimi_k2_lora_grpo_r3"):
+        assert {f"{exp}/bringup/rung1.yaml", f"{exp}/bringup/rung3.yaml"} <= names
+    for exp in ("03_qwen3_30b_a3b_lora_mitigations", "04_moonlight_16b_a3b_r3"):
+        assert {f"{exp}/bringup/rung1.yaml", f"{exp}/bringup/rung2.yaml"} <= names
+
+
+@pytest.mark.parametrize("rung", RUNGS, ids=str)
+def test_rung_is_one_command_that_passes_every_rule(rung, capsys):
+    n = int(rung.stem[-1])
+    assert launch.main([str(EXP / rung.parts[0]), "--rung", str(n), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.total_training_steps=2" in out and "for this bring-up rung" in out
+    assert f"logs/bringup/{rung.parts[0][:2]}_rung{n}.jsonl" in out  # what check_first_steps reads
+    data, _ = read_yaml_chain(EXP / rung)
+    model = planner.load_public_config(data["moerl"]["model"])
+    full = planner.load_public_config(read_yaml_chain(EXP / rung.parts[0] / (
+        "base.yaml" if rung.parts[0].startswith("03") else "experiment.yaml"))[0]["moerl"]["model"])
+    assert model["family"] == full["family"]  # the experiment's family, scaled down
+    fam, r3 = first_steps.family_and_r3("x", EXP / rung)
+    assert fam == full["family"] and (r3 or n != 1)  # rung 1: R3 on
+
+
+def test_missing_rung_names_the_ones_there_are(capsys):
+    assert launch.main([str(EXP / "01_kimi_k2_lora_grpo"), "--rung", "2", "--dry-run"]) == 2
+    assert "has no bring-up rung 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny_kimi_k2", "tiny_qwen3_moe"])  # tiny_moonlight: same family as K2
+def test_bringup_checkpoint_is_a_hub_layout_checkpoint_of_the_planned_size(tmp_path, name):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = ckpt.write(name, tmp_path / name)
+    cfg = planner.load_public_config(name)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in keys)  # one tensor per expert, as vLLM loads
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    n += sum(b.numel() for nm, b in model.named_buffers() if nm.endswith("e_score_correction_bias"))
+    assert n == planner.count_params(cfg).total
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template([{"role": "user", "content": "1+1=?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits).all() and logits.shape[-1] == cfg["vocab_size"]
+    assert json.loads((out / "moerl_bringup.json").read_text())["public_config"] == name
+
+
+@pytest.mark.parametrize("exp", ["01_kimi_k2_lora_grpo", "02_kimi_k2_lora_grpo_r3", "03_qwen3_30b_a3b_lora_mitigations",
+                                 "04_moonlight_16b_a3b_r3"])
+def test_readme_ladder_names_files_that_exist(exp):
+    import re
+
+    text = (EXP / exp / "README.md").read_text()
+    ladder = text[text.index("## Bring-up ladder"):text.index("## Results")]
+    for n in range(1, 5):
+        assert f"\n| {n}" in ladder, (exp, n)
+    for path in re.findall(r"experiments/[\w./-]+\.yaml", ladder):
+        assert (REPO / path).exists(), path
+    for m in re.finditer(r"experiments/(\w+)/launch\.sh --rung (\d)", ladder):
+        assert (EXP / m.group(1) / "bringup" / f"rung{m.group(2)}.yaml").exists(), m.group(0)

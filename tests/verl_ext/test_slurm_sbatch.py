@@ -1,0 +1,105 @@
+"""scripts/slurm_verl.sbatch's control flow on CPU: stand-in ``srun``, ``scontrol`` and ``ray``
+executables on PATH record what the script asks of the cluster. The real script and the real
+scripts/wait_for_ray.py run; only the cluster is pretend."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = {"nodeA": "10.0.0.1", "nodeB": "10.0.0.2"}
+
+SRUN = r'''#!/bin/bash
+# stand-in srun: skip options, log the command, act for the few commands the script needs
+node=""
+while [[ $# -gt 0 && "$1" == -* ]]; do
+    case "$1" in -w) node="$2"; shift 2;; *) shift;; esac
+done
+echo "srun[$node] $*" >> "$FAKE_LOG"
+case "$1" in
+    hostname) tr ',' '\n' <<< "$FAKE_IPS" | awk -F= -v n="$node" '$1==n {print $2}';;
+    ray) FAKE_NODE_IP=$(tr ',' '\n' <<< "$FAKE_IPS" | awk -F= -v n="$node" '$1==n {print $2}') exec "$@";;
+    *) exit 0;;
+esac
+'''
+
+RAY = r'''#!/bin/bash
+# stand-in ray: "start" registers this node (unless it is in FAKE_DEAD); "list nodes" prints them
+echo "ray $*" >> "$FAKE_LOG"
+if [[ "$1" == start ]]; then
+    [[ ",$FAKE_DEAD," == *",$FAKE_NODE_IP,"* ]] && exit 0
+    echo "{\"node_ip\": \"$FAKE_NODE_IP\", \"state\": \"ALIVE\", \"resources_total\": {\"GPU\": 8}}" >> "$FAKE_STATE"
+    exit 0
+fi
+if [[ "$1" == list ]]; then
+    [[ -f "$FAKE_STATE" ]] || exit 1   # head not up yet
+    echo "["; paste -sd, "$FAKE_STATE"; echo "]"
+fi
+'''
+
+
+def _exe(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _run(tmp_path: Path, fakes: dict[str, str] | None = None, **env_extra) -> tuple[subprocess.CompletedProcess, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (fakes or {}).items():
+        _exe(bin_dir / name, text)
+    _exe(bin_dir / "srun", SRUN)
+    _exe(bin_dir / "ray", RAY)
+    _exe(bin_dir / "scontrol", "#!/bin/bash\nprintf '%s\\n' " + " ".join(NODES) + "\n")
+    (bin_dir / "python").symlink_to(sys.executable)
+    venv = tmp_path / "env" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    log = tmp_path / "cluster.log"
+    env = {**os.environ, "MOERL_ENV": str(tmp_path / "env"), "SLURM_JOB_NODELIST": "node[A-B]",
+           "SLURM_JOB_ID": "4242", "SLURM_GPUS_PER_NODE": "8", "MOERL_RAY_WAIT_S": "2", "MOERL_RAY_POLL_S": "0.2",
+           "FAKE_LOG": str(log), "FAKE_STATE": str(tmp_path / "ray_nodes"),
+           "FAKE_IPS": ",".join(f"{k}={v}" for k, v in NODES.items()), "FAKE_DEAD": "", **env_extra}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_verl.sbatch"),
+                           "experiments/03_qwen3_30b_a3b_lora_mitigations", "--arm", "r3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return proc, log.read_text() if log.exists() else ""
+
+
+def test_waits_for_every_gpu_then_launches_with_a_short_node_local_temp_dir(tmp_path):
+    proc, log = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    starts = [line for line in log.splitlines() if line.startswith("ray start")]
+    assert len(starts) == 2 and all("--temp-dir=/tmp/ray_4242" in s for s in starts)
+    assert "16 GPUs on 2 node(s)" in proc.stdout
+    launch = [i for i, line in enumerate(log.splitlines()) if "moerl.verl_ext.launch" in line]
+    assert len(launch) == 1 and "--arm r3" in log.splitlines()[launch[0]]
+    assert "sleep" not in (REPO / "scripts" / "slurm_verl.sbatch").read_text()
+
+
+def test_a_node_that_never_joins_is_named_and_verl_never_starts(tmp_path):
+    proc, log = _run(tmp_path, FAKE_DEAD="10.0.0.2")
+    assert proc.returncode != 0
+    assert "nodeB (10.0.0.2)" in proc.stderr and "need 16" in proc.stderr
+    assert "nodeA (10.0.0.1)" not in proc.stderr
+    assert "moerl.verl_ext.launch" not in log
+
+
+@pytest.mark.parametrize("tmpdir,why", [("/tmp/" + "x" * 60, "107-byte"), ])
+def test_ray_temp_dir_that_is_too_long_is_refused_before_ray_starts(tmp_path, tmpdir, why):
+    proc, log = _run(tmp_path, MOERL_RAY_TMPDIR=tmpdir)
+    assert proc.returncode == 1 and why in proc.stderr
+    assert "ray start" not in log
+
+
+def test_ray_temp_dir_on_a_shared_filesystem_is_refused(tmp_path):
+    proc, log = _run(tmp_path, fakes={"stat": "#!/bin/bash\necho lustre\n"})  # stat -f -c %T says Lustre
+    assert proc.returncode == 1 and "shared filesystem" in proc.stderr
+    assert "ray start" not in log

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 from moerl.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_ladders, figure_state_cluster, fits, ladder,
-                                   load_points, predictions)
+                                   load_points, predictions, sft_depth)
 
 BEGIN, END = "<!-- experiment 06: begin (scripts/geometry_figures.py) -->", "<!-- experiment 06: end -->"
 
@@ -43,7 +43,8 @@ def fit_lines(df) -> list[str]:
     fitted = fits(df)
     lines = ["| ladder | points | slope b in p ~ x^b | ± s.e. | residual s.d. (log p) |", "|---|---|---|---|---|"]
     for name, f in fitted.items():
-        xs = ", ".join(str(int(v)) for v in ladder(df, name)[FACTORS[name]])
+        pts = sft_depth(df)["L"] if name == "depth_sft" else ladder(df, name)[FACTORS[name]]
+        xs = ", ".join(str(int(v)) for v in pts)
         lines.append(f"| {name} | {xs} | {f['b']:+.3f} | {math.sqrt(f['cov'][1][1]):.3f} | {f['s']:.3f} |")
     return lines
 
@@ -71,20 +72,20 @@ def claims_lines(df, preds) -> list[str]:
     """claim | paper | moerl | verdict, each verdict by the rule stated in its row."""
     from moerl.geometry_report import anchor_row, point_row
 
-    base, warm = point_row(df, "qwen3_base_L48_E128_k8_h64"), point_row(df, "state_qwen3_warm150")
+    base = point_row(df, "qwen3_base_L48_E128_k8_h64")
+    sft = [r for r in (point_row(df, "state_qwen3_warm150"), point_row(df, "state_qwen3_warm400")) if r is not None]
     e05 = {s: point_row(df, f"state_exp05_{s}") for s in ("random", "warm", "grpo30")}
     rows = []
     if base is not None:
         got = [f"Qwen3-30B-A3B routing at h64, random init: {pct(base.share, base.share_lo, base.share_hi)}"]
-        if warm is not None:
-            got.append(f"after a short SFT: {pct(warm.share, warm.share_lo, warm.share_hi)}")
-        shares = [base.share] + ([warm.share] if warm is not None else [])
+        got += [f"after {r.point.replace('state_qwen3_warm', '')} SFT steps: {pct(r.share, r.share_lo, r.share_hi)}"
+                for r in sft]
+        shares = [base.share] + [r.share for r in sft]
         verdict = "**yes**" if min(shares) >= 0.85 else "**partly**" if max(shares) >= 0.85 else "**no**"
         rows.append(("~94 % of tokens differ in >= 1 router without R3, at Qwen3-30B-A3B's 48 x 128 top-8",
                      "94 % (R3 paper, arXiv 2510.11370)", "; ".join(got), verdict,
                      "yes: every measured state of the geometry >= 85 %; partly: some; no: none"))
     depth = ladder(df, "depth")
-    sft = [r for r in (point_row(df, "state_qwen3_warm150"), point_row(df, "state_qwen3_warm400")) if r is not None]
     if len(depth) >= 2 and all(v is not None for v in e05.values()):
         lo, hi = depth.iloc[0], depth.iloc[-1]
         states = ", ".join(f"{k} {pct(v.share)} (p_l {v.p_mean:.3f})" for k, v in e05.items())

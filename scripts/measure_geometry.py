@@ -15,7 +15,7 @@ Qwen3-30B-A3B routing geometry at CPU width (48 MoE layers x 128 experts, top-8,
     topk     2 / 4 / 8
     width    hidden 64 / 128 / 256 (expert FFN hidden/2, heads of 32): the known confound
     state    experiment 05's geometry (8 x 32, top-4): random init, its warm start, + a short GRPO run;
-             the base geometry after a short SFT
+             the base geometry after a short SFT (150 and 400 steps), and 8 / 16 MoE layers after 400
     cluster  the four cluster models' routing geometries (moerl.models.geometry), bf16 and fp8 rollouts
 """
 from __future__ import annotations
@@ -88,6 +88,10 @@ def ladder_points() -> list[Point]:
             Point("state_qwen3_warm400", ("state",), geometry_model_config("qwen3_30b_a3b"), state="warm",
                   warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
                   note="the Qwen3-30B-A3B geometry at h64 after a longer SFT (400 steps x 32 samples)")]
+    # the depth ladder again with trained routers: does p_l grow with depth as at random init?
+    pts += [Point(f"state_qwen3_L{n}_warm400", ("state", "depth_sft"), qwen3(layers=n), state="warm",
+                  warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
+                  note=f"{n} MoE layers x 128, top-8, h64 after the same 400-step SFT") for n in (8, 16)]
     pts += [Point(f"cluster_{g}", ("cluster",), geometry_model_config(g), dtypes=("bf16", "fp8"))
             for g in ("moonlight_16b_a3b", "deepseek_v3", "kimi_k2")]
     return pts

@@ -63,13 +63,24 @@ def ladder(df: pd.DataFrame, name: str, dtype: str = "bf16") -> pd.DataFrame:
     return sel.sort_values(FACTORS[name])
 
 
+def sft_depth(df: pd.DataFrame) -> pd.DataFrame:
+    """The depth ladder with trained routers: the 400-step SFT points at 8 / 16 MoE layers and the base's."""
+    sel = df[(df.rollout == "bf16") & (df.ladders.apply(lambda ls: "depth_sft" in ls)
+                                       | (df.point == "state_qwen3_warm400"))]
+    return sel.sort_values("L")
+
+
 def fits(df: pd.DataFrame) -> dict:
-    """Per ladder: the log-log fit of p_mean against its factor (needs >= 2 points)."""
+    """Per ladder: the log-log fit of p_mean against its factor (needs >= 2 points); ``depth_sft`` is the
+    depth ladder with SFT'd routers."""
     out = {}
     for name, col in FACTORS.items():
         sel = ladder(df, name)
         if len(sel) >= 2:
             out[name] = fit_loglinear(sel[col].to_numpy(), sel["p_mean"].to_numpy())
+    sel = sft_depth(df)
+    if len(sel) >= 2:
+        out["depth_sft"] = fit_loglinear(sel["L"].to_numpy(), sel["p_mean"].to_numpy())
     return out
 
 
@@ -147,8 +158,11 @@ def predictions(df: pd.DataFrame) -> pd.DataFrame:
             if a is None:
                 continue
             row[f"{anchor}_anchor"] = a.point
+            slopes = dict(fitted)
+            if anchor == "sft" and "depth_sft" in fitted:  # trained routers move along the trained depth slope
+                slopes["depth"] = fitted["depth_sft"]
             for tag, H in (("cpu", 64), ("real", g["H"])):
-                pr = predict(a, fitted, g["L"], g["E"], g["k"], H)
+                pr = predict(a, slopes, g["L"], g["E"], g["k"], H)
                 row.update({f"{anchor}_{tag}_{k}": v for k, v in pr.items() if k != "missing"})
                 row[f"{anchor}_{tag}_missing"] = ",".join(pr["missing"])
         rows.append(row)
@@ -224,6 +238,15 @@ def figure_ladders(df: pd.DataFrame):
             ax.annotate(point.replace("state_", ""), (r.L, r.share), fontsize=6.5, xytext=(6, -3),
                         textcoords="offset points", color="C5")
     ax.plot([], [], "D", color="C5", label="base geometry after a short SFT (measured)")
+    sft = sft_depth(df)
+    if len(sft) >= 2:
+        for axis, key in ((axes[0, 0], "share"), (axes[1, 0], "p_mean")):
+            axis.plot(sft.L, sft[key], "D--", color="C5", ms=5, lw=1,
+                      label="depth ladder after a 400-step SFT" if key == "share" else None)
+        f = fitted.get("depth_sft")
+        if f:
+            axes[1, 0].text(0.05, 0.8, f"SFT'd: b = {f['b']:+.3f} ± {math.sqrt(f['cov'][1][1]):.1g}",
+                            transform=axes[1, 0].transAxes, fontsize=8, color="C5")
     axes[0, 0].set_ylabel("share of tokens with >= 1 re-routed MoE layer")
     axes[1, 0].set_ylabel("mean per-layer flip probability p_l")
     axes[0, 0].set_ylim(0, 1.05)

@@ -8,8 +8,8 @@ moving from a measured anchor point (L0, E0, k0, H0):
 each slope b fitted (least squares in log-log) on its own ladder of random-init Qwen3-MoE models around
 the base (Qwen3-30B-A3B routing at hidden 64), and the >= 1-layer share predicted from p by
 independence, 1 - (1 - p)^L. Three anchors: the base itself (random init); experiment 05's geometry with
-trained routers; the base geometry after a short SFT (the last two assume the random-init slopes hold
-for trained routers). The interval adds,
+trained routers; the base geometry after a short SFT. The two trained anchors move in depth along the
+depth ladder of SFT'd routers (8 / 16 / 48 MoE layers) and along the random-init slopes otherwise. The interval adds,
 in log p, each used slope's standard error times the distance moved and the ladder's residual scatter,
 and the anchor's bootstrap interval. It is a stated model, not a law: the width slope comes from
 hidden 64-256 and is applied at 2048-7168.
@@ -159,7 +159,7 @@ def predictions(df: pd.DataFrame) -> pd.DataFrame:
                 continue
             row[f"{anchor}_anchor"] = a.point
             slopes = dict(fitted)
-            if anchor == "sft" and "depth_sft" in fitted:  # trained routers move along the trained depth slope
+            if anchor != "random" and "depth_sft" in fitted:  # trained routers move along the trained depth slope
                 slopes["depth"] = fitted["depth_sft"]
             for tag, H in (("cpu", 64), ("real", g["H"])):
                 pr = predict(a, slopes, g["L"], g["E"], g["k"], H)
@@ -254,7 +254,7 @@ def figure_ladders(df: pd.DataFrame):
     h2, l2 = axes[1, 0].get_legend_handles_labels()
     fig.legend(h1 + h2[:1], l1 + l2[:1], loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle("Routing mismatch vs routing geometry: bf16 rollout (emulated kernels) vs fp32 trainer, "
-                 "random-init Qwen3-MoE at CPU width", fontsize=11)
+                 "Qwen3-MoE at CPU width, random init (brown: after SFT)", fontsize=11)
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
     return fig
 

@@ -88,6 +88,9 @@ def ladder_points() -> list[Point]:
             Point("state_qwen3_warm400", ("state",), geometry_model_config("qwen3_30b_a3b"), state="warm",
                   warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
                   note="the Qwen3-30B-A3B geometry at h64 after a longer SFT (400 steps x 32 samples)")]
+    pts += [Point("state_qwen3_warm400_seed1", ("seed",), geometry_model_config("qwen3_30b_a3b"), state="warm",
+                  warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE}, seed=1,
+                  note="the same SFT'd model, another sampling seed: how far one batch's numbers move")]
     # the depth ladder again with trained routers: does p_l grow with depth as at random init?
     pts += [Point(f"state_qwen3_L{n}_warm400", ("state", "depth_sft"), qwen3(layers=n), state="warm",
                   warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},

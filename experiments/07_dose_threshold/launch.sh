@@ -9,11 +9,16 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 JOBS=${JOBS:-2}
 OUT=${OUT:-results/runs}
-sweep() { "$PY" scripts/sweep.py experiments/07_dose_threshold --jobs "$JOBS" --threads 1 --output-dir "$OUT" "$@"; }
+sweep() { "$PY" scripts/sweep.py experiments/07_dose_threshold --jobs "${JOBS}" --threads 1 --output-dir "$OUT" "$@"; }
 case "${1:-}" in
   pilot)
-    sweep --arms fp32_control --seeds 1
-    for rung in bf16 int8 fp8 nvfp4 int4; do sweep --arms baseline --seeds 1 "rollout.dtype=$rung"; done ;;
+    # One sweep per rung (a rung is an override): JOBS of them at a time, one run each.
+    pilot=("--arms fp32_control --seeds 1")
+    for rung in bf16 int8 fp8 nvfp4 int4; do pilot+=("--arms baseline --seeds 1 rollout.dtype=$rung"); done
+    for ((i = 0; i < ${#pilot[@]}; i += JOBS)); do
+      for args in "${pilot[@]:i:JOBS}"; do JOBS=1 sweep $args & done
+      wait
+    done ;;
   control)
     sweep --arms fp32_control --seeds 3 ;;
   main)

@@ -30,6 +30,22 @@ def kill_at(monkeypatch):
     return arm
 
 
+def killed_run(tmp_path, kill_at, point: str, n: int):
+    """The config of experiment 00's baseline (the fault suite's overrides) trained until ``kill_at``
+    stops it at the ``n``-th pass of fault ``point``; its directory is left as the kill left it."""
+    from kill_harness import overrides
+    from moerl.config import load_config
+    from moerl.trainer.grpo import GRPOTrainer
+
+    cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", overrides(tmp_path))
+    kill_at(point, n)
+    trainer = GRPOTrainer(cfg, cfg.run_dir, progress=False)
+    with pytest.raises(Killed):
+        trainer.train()
+    trainer.tracker.close()
+    return cfg
+
+
 _REFERENCE: dict = {}  # one reference run per session, whichever module asks first
 
 

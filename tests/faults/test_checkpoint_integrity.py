@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 import fault_fixtures
-from fault_fixtures import Killed
+from fault_fixtures import killed_run
 from kill_harness import REPO, assert_identical_runs, fails_with, overrides
 from moerl.config import load_config
 from moerl.trainer.checkpoint import checkpoint_dirs, resumable_checkpoint, save_checkpoint
@@ -22,18 +21,8 @@ ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
 MANIFEST = "manifest.json"  # written last into every checkpoint (moerl.trainer.checkpoint.MANIFEST)
 
 
-def _killed(tmp_path, kill_at, point: str, n: int):
-    cfg = load_config(ARM, overrides(tmp_path))
-    kill_at(point, n)
-    trainer = GRPOTrainer(cfg, cfg.run_dir, progress=False)
-    with pytest.raises(Killed):
-        trainer.train()
-    trainer.tracker.close()
-    return cfg
-
-
 def test_a_flipped_bit_in_a_checkpoint_is_caught(tmp_path, kill_at, reference_run, caplog):
-    cfg = _killed(tmp_path, kill_at, "step", 4)  # checkpoints step_2 and step_3 kept
+    cfg = killed_run(tmp_path, kill_at, "step", 4)  # checkpoints step_2 and step_3 kept
     newest = checkpoint_dirs(cfg.run_dir)[-1]
     assert newest.name == "step_3"
     lora = newest / "lora.safetensors"
@@ -81,7 +70,7 @@ def test_a_checkpoint_without_manifest_still_resumes(tmp_path, caplog):
 
 
 def test_a_checkpoint_of_another_config_is_refused_without_run_json(tmp_path, kill_at):
-    cfg = _killed(tmp_path, kill_at, "step", 3)
+    cfg = killed_run(tmp_path, kill_at, "step", 3)
     (cfg.run_dir / "run.json").unlink()
     (cfg.run_dir / "config.yaml").unlink()
     other = tmp_path / "baseline.yaml"  # the same experiment and arm name, another learning rate
@@ -95,7 +84,7 @@ def test_a_checkpoint_of_another_config_is_refused_without_run_json(tmp_path, ki
 
 
 def test_no_leftover_after_a_kill_while_pruning_the_last_checkpoint(tmp_path, kill_at, reference_run):
-    cfg = _killed(tmp_path, kill_at, "prune", 2)  # deleting step_2 after step_4, the last, was saved
+    cfg = killed_run(tmp_path, kill_at, "prune", 2)  # deleting step_2 after step_4, the last, was saved
     assert (cfg.run_dir / "checkpoints" / ".step_2.deleting").exists()
     GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_3", "step_4"]

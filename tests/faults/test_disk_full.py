@@ -108,21 +108,27 @@ except OSError as err:
 '''
 
 
+def on_small_disk(tmp_path, script: str, size: str) -> dict | None:
+    """Run ``script`` (it prints one JSON line) against a ``size`` tmpfs mounted in a user and mount
+    namespace; None where this machine cannot make one (the caller then fakes the full disk)."""
+    if shutil.which("unshare") is None:
+        return None
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    (tmp_path / "script.py").write_text(script)
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
+                           f"{sys.executable} {tmp_path / 'script.py'} {mnt}"], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
+                                            "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.splitlines()[-1])
+    assert not proc.stdout.strip() and ("unshare" in proc.stderr or "mount" in proc.stderr), proc.stderr
+    return None
+
+
 def test_full_disk_while_logging_a_row(tmp_path, monkeypatch):
     """A full disk when a metric row is appended: the error names the file and the step."""
-    result = None
-    if shutil.which("unshare") is not None:
-        mnt = tmp_path / "small"
-        mnt.mkdir()
-        (tmp_path / "log.py").write_text(LOG_SCRIPT)
-        proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {mnt} && "
-                               f"{sys.executable} {tmp_path / 'log.py'} {mnt}"], capture_output=True, text=True,
-                              timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
-                                                "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
-        if proc.returncode == 0:
-            result = json.loads(proc.stdout.splitlines()[-1])
-        else:
-            assert not proc.stdout.strip() and ("unshare" in proc.stderr or "mount" in proc.stderr), proc.stderr
+    result = on_small_disk(tmp_path, LOG_SCRIPT, "256k")
     if result is None:  # no mount namespace: the file handle fails as a full disk does
         import errno
 
@@ -164,19 +170,7 @@ except CheckpointError as err:
 
 
 def test_a_full_disk_is_named_when_torch_does_not_say_so(tmp_path, monkeypatch):
-    result = None
-    if shutil.which("unshare") is not None:
-        mnt = tmp_path / "small"
-        mnt.mkdir()
-        (tmp_path / "save.py").write_text(TORCH_SAVE_SCRIPT)
-        proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
-                               f"{sys.executable} {tmp_path / 'save.py'} {mnt}"], capture_output=True, text=True,
-                              timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src"),
-                                                "OMP_NUM_THREADS": "1"})
-        if proc.returncode == 0:
-            result = json.loads(proc.stdout.splitlines()[-1])
-        else:
-            assert not proc.stdout.strip() and ("unshare" in proc.stderr or "mount" in proc.stderr), proc.stderr
+    result = on_small_disk(tmp_path, TORCH_SAVE_SCRIPT, "1m")
     if result is None:  # no mount namespace: torch's writer fails as it does on a full disk
         import moerl.trainer.checkpoint as ckpt
 

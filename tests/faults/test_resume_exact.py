@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fault_fixtures
-from fault_fixtures import Killed
+from fault_fixtures import Killed, killed_run
 from kill_harness import assert_identical_runs, logged_rows, overrides
 from moerl.config import load_config
 from moerl.trainer.checkpoint import checkpoint_dirs, incomplete_dirs, save_checkpoint
@@ -21,12 +21,7 @@ ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
 
 
 def killed_then_resumed(tmp_path, kill_at, point: str, n: int):
-    cfg = load_config(ARM, overrides(tmp_path))
-    kill_at(point, n)
-    trainer = GRPOTrainer(cfg, cfg.run_dir, progress=False)
-    with pytest.raises(Killed):
-        trainer.train()
-    trainer.tracker.close()
+    cfg = killed_run(tmp_path, kill_at, point, n)
     GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
     return cfg.run_dir
 

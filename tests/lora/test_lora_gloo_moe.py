@@ -4,18 +4,11 @@ part, and an all-reduce gives the unsharded layer's output (computed by transfor
 """
 from __future__ import annotations
 
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_ranks import run_ranks
 
 
 def _rank_main(rank: int, world: int, port: int, layout_kw: dict, path: str) -> None:
@@ -92,14 +85,6 @@ def test_gloo_ep2_and_tp2_match_unsharded_moe_layer(tmp_path, mode):
                 "weights": weights, "num_experts": layer.num_experts,
                 "scale": adapter.scales[prefix + "gate_up_proj"]}, path)
     for layout_kw in ({"ep": 2}, {"etp": 2}):
-        ctx = mp.start_processes(_rank_main, args=(2, _free_port(), layout_kw, path), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + 120
-        while not ctx.join(timeout=5) and time.monotonic() < deadline:
-            pass
-        if any(proc.is_alive() for proc in ctx.processes):
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"gloo workers ({layout_kw}) did not finish within 120 s")
+        run_ranks(_rank_main, (layout_kw, path), str(layout_kw))
         got = torch.load(path + ".out")
         assert torch.allclose(got, seen["out"], atol=2e-5), (layout_kw, (got - seen["out"]).abs().max())

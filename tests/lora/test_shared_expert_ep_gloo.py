@@ -12,20 +12,13 @@ is no longer "one adapter per MoE layer": the second case checks that this is de
 """
 from __future__ import annotations
 
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_ranks
 
 E, H, OUT, R, T, LR = 4, 8, 6, 2, 24, 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(seed: int = 0) -> dict:
@@ -91,15 +84,7 @@ def _ep_step(dist, rank: int, world: int, sync: bool):
 def gathered(tmp_path_factory):
     """{synchronised?: [gathered A, gathered B]} from one 2-process gloo run."""
     path = str(tmp_path_factory.mktemp("ep") / "gathered.pt")
-    ctx = mp.start_processes(_rank_main, args=(2, _free_port(), path), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5) and time.monotonic() < deadline:
-        pass
-    if any(p.is_alive() for p in ctx.processes):
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("gloo workers did not finish within 120 s")
+    run_ranks(_rank_main, (path,), "shared expert adapter under EP")
     return torch.load(path)
 
 

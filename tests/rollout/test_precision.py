@@ -65,29 +65,27 @@ def test_quantised_rollout_with_merged_refit_is_rejected(precision):
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def ref_e2m1(x: np.ndarray) -> np.ndarray:
-    """Nearest e2m1 value by brute force over the grid; a tie goes to the value whose mantissa bit is 0
-    (0, 1, 2, 4: the grid entries at even positions); magnitudes beyond 6 saturate."""
-    mag = np.minimum(np.abs(x), 6.0)
-    dist = np.abs(mag[..., None] - E2M1_GRID)
-    best = dist.min(-1, keepdims=True)
-    candidates = np.where(dist == best, np.arange(8), 99)
-    even = np.where(candidates % 2 == 0, candidates, 99).min(-1)
-    index = np.where(even < 99, even, candidates.min(-1))
-    return np.sign(x) * E2M1_GRID[index]
-
-
-def ref_e4m3(x: np.ndarray) -> np.ndarray:
-    """Nearest e4m3fn value (ties to even) by brute force over every finite e4m3 magnitude: bit codes
-    0..126 decode to increasing magnitudes, and a code's last bit is its mantissa's last bit."""
-    magnitudes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+def nearest_ties_to_even(x: np.ndarray, magnitudes: np.ndarray) -> np.ndarray:
+    """Nearest of the increasing ``magnitudes`` to |x| by brute force (saturating at the largest), with
+    the sign of x; a tie goes to the even index, which for both formats below is the even mantissa."""
     mag = np.minimum(np.abs(np.asarray(x, dtype=np.float64)), magnitudes[-1])
     dist = np.abs(mag[..., None] - magnitudes)
     best = dist.min(-1, keepdims=True)
-    candidates = np.where(dist == best, np.arange(127), 999)
-    even = np.where(candidates % 2 == 0, candidates, 999).min(-1)
-    code = np.where(even < 999, even, candidates.min(-1))
-    return np.sign(x) * magnitudes[code]
+    candidates = np.where(dist == best, np.arange(len(magnitudes)), 10 ** 6)
+    even = np.where(candidates % 2 == 0, candidates, 10 ** 6).min(-1)
+    index = np.where(even < 10 ** 6, even, candidates.min(-1))
+    return np.sign(x) * magnitudes[index]
+
+
+def ref_e2m1(x: np.ndarray) -> np.ndarray:
+    """Nearest e2m1 value: the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (grid position parity = mantissa bit)."""
+    return nearest_ties_to_even(x, E2M1_GRID)
+
+
+def ref_e4m3(x: np.ndarray) -> np.ndarray:
+    """Nearest e4m3fn value: bit codes 0..126 decode to increasing magnitudes, and a code's last bit is
+    its mantissa's last bit."""
+    return nearest_ties_to_even(x, torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy())
 
 
 def ref_nvfp4(w: np.ndarray) -> np.ndarray:

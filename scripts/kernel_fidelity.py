@@ -36,9 +36,9 @@ STATISTICS = {"k3 (run median)": ("mismatch/k3", "median"),
               "F(2): tokens with ratio > 2 (run mean)": ("mismatch/extreme_gt2", "mean")}
 SOURCES = {  # kernel setting -> (runs root, run-name suffix)
     "native": ("results/runs", ""),
-    "emulated": ("results/runs/kernels/emulated", "+rollout.kernels=emulated"),
-    "native, AVX2 cap": ("results/runs/kernels/native_avx2", "+rollout.kernels=native"),
-    "emulated, AVX2 cap": ("results/runs/kernels/emulated_avx2", "+rollout.kernels=emulated"),
+    "emulated": ("results/kernels/runs/emulated", "+rollout.kernels=emulated"),
+    "native, AVX2 cap": ("results/kernels/runs/native_avx2", "+rollout.kernels=native"),
+    "emulated, AVX2 cap": ("results/kernels/runs/emulated_avx2", "+rollout.kernels=emulated"),
 }
 ARMS = ("baseline", "r3")
 BF16_STEP_AT_ONE = 2.0 ** -7  # one bf16 step at magnitude 1: the resolution of a bf16 logit near 1

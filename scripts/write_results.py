@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from moerl import claims, verdicts
 from moerl.plots import load_questions
 from moerl.results import (MissingRunError, family_references, find_runs, load_metrics, load_sweep, mean_std,
                            run_table, seed_stats)
+from moerl.tracking import atomic_write_text
 
 # (column in run_table, header, format, what it is)
 COLUMNS = [
@@ -193,6 +195,15 @@ def machines(exp_dir: Path) -> str:
     return "; ".join(parts) or "not recorded"
 
 
+# A section another script writes into the same file, between its own markers (experiment 06's, by
+# scripts/geometry_figures.py): kept as it is when this script rewrites the rest.
+MARKED_SECTION = re.compile(r"<!-- (?P<name>[^:>]+): begin \([^)]*\) -->.*?<!-- (?P=name): end -->", re.S)
+
+
+def kept_sections(text: str) -> list[str]:
+    return [m.group(0) for m in MARKED_SECTION.finditer(text)]
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment_dirs", nargs="+", help="e.g. results/runs/00_tiny_moe_cpu")
@@ -210,8 +221,10 @@ def main(argv: list[str] | None = None) -> Path:
     command = "python scripts/write_results.py " + " ".join(args.experiment_dirs)
     text = "\n".join([f"# Results", "", f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.", ""] + sections)
     out = Path(args.out)
+    kept = kept_sections(out.read_text()) if out.exists() else []
+    text = "\n".join([text.rstrip("\n"), *kept]) + "\n" if kept else text
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    atomic_write_text(out, text)
     print(text)
     print(f"wrote {out}")
     return out

@@ -214,3 +214,15 @@ def test_run_table_k3_median_all_layer_agreement_and_is_level(tmp_path):
     assert cells["baseline"][col["token IS ratio p99"]] == "1.500" and cells["baseline"][col["sequence IS ratio p99"]] == "n/a"
     # a ratio names its denominator: the DeepSeek-V3 arm against the DeepSeek-V3 baseline
     assert cells["deepseek_r3"][col["k3 vs family baseline"]].startswith("0.1× deepseek_baseline")
+
+
+def test_write_results_keeps_another_scripts_marked_section(tmp_path):
+    """Experiment 06's section (written by scripts/geometry_figures.py between its markers) survives a
+    regeneration of the rest of RESULTS.md; an unmarked stale section does not."""
+    out = tmp_path / "RESULTS.md"
+    section = "<!-- experiment 06: begin (scripts/geometry_figures.py) -->\n## 06\nkept\n<!-- experiment 06: end -->"
+    out.write_text(f"# Results\nstale text\n\n{section}\n")
+    proc = _script("write_results.py", str(FIXTURE / EXP), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text.count(section) == 1 and "stale text" not in text and text.rstrip().endswith(section)

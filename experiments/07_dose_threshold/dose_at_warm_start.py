@@ -1,0 +1,56 @@
+"""The dose each rung gives before any training: the mismatch between every low-precision rollout and the
+fp32 trainer at experiment 07's warm start, measured as experiment 06 measures a point.
+
+    .venv/bin/python experiments/07_dose_threshold/dose_at_warm_start.py [--prompts 64] [--out results/07_dose_threshold]
+
+For each rung (bf16, int8, fp8, nvfp4, int4): the engine samples ``--prompts`` held-out prompts x 8 at
+T = 1 and the fp32 trainer scores the same tokens natively and with the rollout's experts replayed (R3)
+(moerl.routing_geometry.measure). Writes ``<out>/dose_at_warm_start.json`` and prints a table ordered by
+k3: the order of the ladder by the mismatch each rung causes, measured, not assumed from bit width.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from moerl.config import load_config  # noqa: E402
+from moerl.routing_geometry import measure  # noqa: E402
+from moerl.trainer.grpo import check_splits  # noqa: E402
+from moerl.trainer.warm_start import load_warm_start  # noqa: E402
+
+ARM = ROOT / "experiments/07_dose_threshold/arms/baseline.yaml"
+RUNGS = ("bf16", "int8", "fp8", "nvfp4", "int4")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--out", default="results/07_dose_threshold")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config(ARM, ["threads=1"])
+    policy, tokenizer, _ = load_warm_start(cfg, train_if_missing=False, progress=False)
+    policy.eval()
+    _, test_rows = check_splits(cfg)
+    points = {rung: measure(policy, tokenizer, cfg, test_rows[: args.prompts], dtype=rung, seed=0) for rung in RUNGS}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dose_at_warm_start.json").write_text(json.dumps(points, indent=1) + "\n")
+    print("| rung | k3 | k3 with R3 | tokens re-routed in >= 1 layer [95 % CI] | mean per-layer flip | F(2) | F(2) with R3 |")
+    print("|---|---|---|---|---|---|---|")
+    for rung in sorted(points, key=lambda r: points[r]["native/k3"]):
+        p = points[rung]
+        print(f"| {rung} | {p['native/k3']:.2e} | {p['r3/k3']:.2e} | {p['all/share']:.3f} "
+              f"[{p['all/share_lo']:.3f}, {p['all/share_hi']:.3f}] | {p['all/p_mean']:.4f} | "
+              f"{p['native/extreme_gt2']:.4f} | {p['r3/extreme_gt2']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

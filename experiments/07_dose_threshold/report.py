@@ -3,6 +3,7 @@ uncorrected arm, the fp32 control first), the control's learning test, the thres
 grid has run, every mitigation arm per rung.
 
     .venv/bin/python experiments/07_dose_threshold/report.py [--runs results/runs] [--out results/07_dose_threshold]
+    .venv/bin/python experiments/07_dose_threshold/report.py --pilots results/pilots/07_*   # the regime pilots
 
 Writes ``<out>/ladder.md`` and ``<out>/ladder.json`` and draws ``results/figures/07_dose_ladder.png``
 (one question: how do the mismatch and the held-out accuracy move with the dose?). Every number comes
@@ -110,12 +111,39 @@ def figure(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def pilot_rows(dirs: list[Path]) -> str:
+    """The regime pilots (fp32 control under other learning rates and batch shapes): one row each, from
+    the archived metrics (``metrics.jsonl.gz``) and config of every directory given."""
+    import gzip
+
+    lines = ["| pilot | lr | prompts x samples | mini-batches | steps | training reward, 20-step means | "
+             "held-out pass@1 (fp32 evaluator) by step | grad-norm max | collapse step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in dirs:
+        with gzip.open(run / "metrics.jsonl.gz", "rt") as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        summary = run_summary(rows)
+        train = [r["reward/mean"] for r in rows if "reward/mean" in r]
+        blocks = " ".join(f"{sum(train[i:i + 20]) / len(train[i:i + 20]):.2f}" for i in range(0, len(train), 20))
+        evals = ", ".join(f"{r['step']}: {r['eval/pass1']:.3f}" for r in rows if "eval/pass1" in r)
+        t, ro = cfg["trainer"], cfg["rollout"]
+        lines.append(f"| {run.name} | {t['lr']:g} | {ro['prompts_per_step']} x {ro['group_size']} | "
+                     f"{t['mini_batches']} | {summary['steps']}/{t['steps']} | {blocks} | {evals} | "
+                     f"{fmt(summary['grad_norm_max'], '.1f')} | {summary['collapse_step'] or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/runs")
     ap.add_argument("--out", default="results/07_dose_threshold")
     ap.add_argument("--figure", default="results/figures/07_dose_ladder.png")
+    ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
     args = ap.parse_args()
+    if args.pilots:
+        print(pilot_rows([Path(p) for p in args.pilots]))
+        return
     runs = load_runs(Path(args.runs))
     if not runs:
         sys.exit(f"report: no runs of {EXPERIMENT} under {args.runs} (run experiments/07_dose_threshold/launch.sh pilot)")

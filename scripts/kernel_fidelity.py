@@ -35,7 +35,7 @@ STATISTICS = {"k3 (run median)": ("mismatch/k3", "median"),
               "per-layer flip rate (run mean)": ("routing/disagreement", "mean"),
               "F(2): tokens with ratio > 2 (run mean)": ("mismatch/extreme_gt2", "mean")}
 SOURCES = {  # kernel setting -> (runs root, run-name suffix)
-    "native": ("results/runs", ""),
+    "native": ("results/kernels/runs/native", ""),
     "emulated": ("results/kernels/runs/emulated", "+rollout.kernels=emulated"),
     "native, AVX2 cap": ("results/kernels/runs/native_avx2", "+rollout.kernels=native"),
     "emulated, AVX2 cap": ("results/kernels/runs/emulated_avx2", "+rollout.kernels=emulated"),

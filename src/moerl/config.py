@@ -126,8 +126,9 @@ class RolloutConfig:
     # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
     # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
     # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
-    # output to bf16, as a GPU's fp32-accumulating kernels do. Part of the run's identity.
-    kernels: Literal["native", "emulated"] = "native"
+    # output to bf16, as a GPU's fp32-accumulating kernels do: the same numbers on every CPU, measured to
+    # give the same mismatch statistics as native (README, "Rollout kernels"). Part of the run's identity.
+    kernels: Literal["native", "emulated"] = "emulated"
     prompts_per_step: int = num(32, 1)
     group_size: int = num(8, 2, why="GRPO normalises within a group")
     max_new_tokens: int = num(8, 1)

@@ -697,7 +697,7 @@ def validate(cfg: ExperimentConfig) -> None:
         (r.engine != "vllm" or (cfg.refit.mode, cfg.refit.engine) == ("adapter", "inprocess"),
          "rollout.engine=vllm takes adapter refit into its own processes: refit.mode=adapter, refit.engine=inprocess"),
         (r.engine != "vllm" or r.kernels == "native",
-         "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels"),
+         "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels: set rollout.kernels=native"),
         (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
          "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
         (not (r.dtype in ("fp8", "int8", "nvfp4", "int4") and cfg.refit.mode == "merged"),

@@ -16,7 +16,7 @@ from moerl.tracking import read_metrics  # noqa: E402
 from moerl.trainer.grpo import GRPOTrainer  # noqa: E402
 
 ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
-VLLM = ["rollout.engine=vllm", "rollout.capture_routing=false", "lora.target_experts=false"]
+VLLM = ["rollout.engine=vllm", "rollout.kernels=native", "rollout.capture_routing=false", "lora.target_experts=false"]
 
 
 def test_grpo_steps_with_the_vllm_engine(tmp_path):

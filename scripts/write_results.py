@@ -185,8 +185,10 @@ def machines(exp_dir: Path) -> str:
         info = json.loads(path.read_text())
         isa = info.get("isa_flags") or {}
         flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if isa.get(f))
+        # Runs made before rollout.kernels existed ran torch's native bf16 kernels.
+        kernels = info.get("rollout_kernels", "native")
         label = (f"{info.get('cpu_model', '?')} (bf16 ISA: {flags or 'none'}), torch {info.get('torch_version', '?')}, "
-                 f"{info.get('torch_threads', '?')} thread(s)")
+                 f"{info.get('torch_threads', '?')} thread(s), rollout kernels {kernels}")
         counts[label] = counts.get(label, 0) + 1
     parts = [f"{label} — {n} run(s)" for label, n in counts.items()]
     if missing:

@@ -2,7 +2,8 @@
 
     python scripts/geometry_figures.py [--points results/geometry] [--figures results/figures]
 
-Writes results/figures/06_routing_geometry_{ladders,state_cluster}.png, results/geometry/summary.md
+Writes results/figures/06_routing_geometry_{ladders,router_state,cluster_extrapolation,flip_along_stack}.png,
+results/geometry/summary.md
 (the tables, the fit and the claims) and replaces the experiment-06 section of results/RESULTS.md
 (between its markers; appended when absent).
 """
@@ -16,8 +17,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from moerl.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_ladders, figure_state_cluster, fits, ladder,
-                                   load_points, predictions, sft_depth)
+from moerl.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
+                                   figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
+                                   sft_depth)
 
 BEGIN, END = "<!-- experiment 06: begin (scripts/geometry_figures.py) -->", "<!-- experiment 06: end -->"
 
@@ -173,11 +175,17 @@ def main() -> None:
     figs = Path(args.figures)
     figs.mkdir(parents=True, exist_ok=True)
     figure_ladders(df).savefig(figs / "06_routing_geometry_ladders.png", dpi=110, bbox_inches="tight")
-    figure_state_cluster(df).savefig(figs / "06_routing_geometry_state_cluster.png", dpi=110, bbox_inches="tight")
+    for name, figure in (("router_state", figure_router_state), ("cluster_extrapolation", figure_cluster_extrapolation),
+                         ("flip_along_stack", figure_flip_along_stack)):
+        figure(df).savefig(figs / f"06_routing_geometry_{name}.png", dpi=110, bbox_inches="tight")
     preds = predictions(df)
     body = ["### Is the 94 % a geometry effect?", "", *claims_lines(df, preds), "",
             "![ladders](figures/06_routing_geometry_ladders.png)", "",
-            "![state and cluster geometries](figures/06_routing_geometry_state_cluster.png)", "",
+            "![does router state change the share?](figures/06_routing_geometry_router_state.png)", "",
+            "![the cluster models' geometries, measured and extrapolated to their real width vs the paper's 94 %]"
+            "(figures/06_routing_geometry_cluster_extrapolation.png)", "",
+            "![the per-layer flip probability along the MoE stack]"
+            "(figures/06_routing_geometry_flip_along_stack.png)", "",
             "### Measured points", "", *points_table(df), "", "### Fit (random-init routers, bf16 rollout)", "",
             f"Around the base ({BASE['L']} MoE layers x {BASE['E']} experts, top-{BASE['k']}, hidden {BASE['H']}): "
             "log p = log p_base + sum of b log(x / x_base), the >= 1 share by independence 1 - (1 - p)^L.", "",

@@ -52,7 +52,8 @@ def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
                 "F1.5": r["native/extreme_gt1.5"], "F1.5_r3": r["r3/extreme_gt1.5"],
                 "k3_ratio": r.get("r3/k3_ratio"), "k3_ratio_lo": r.get("r3/k3_ratio_lo"),
                 "k3_ratio_hi": r.get("r3/k3_ratio_hi"), "p_layer": {int(k): v for k, v in r["p_layer"].items()},
-                "seconds": rec["seconds_total"], "policy": rec["policy"], "response_length": r["response_length_mean"]})
+                "seconds": rec["seconds_total"], "policy": rec["policy"], "response_length": r["response_length_mean"],
+                "kernels": r["kernels"], "prompts": r["prompts"], "group_size": r["group_size"]})
     return pd.DataFrame(rows)
 
 
@@ -259,35 +260,124 @@ def figure_ladders(df: pd.DataFrame):
     return fig
 
 
-def figure_state_cluster(df: pd.DataFrame):
-    """Router state at one geometry; the cluster geometries measured and predicted; p_l along the stack."""
-    import matplotlib
+# Router state of each state-ladder point, as the bar labels name it.
+ROUTER_STATES = {"state_exp05_random": "random init", "state_exp05_warm": "exp-05 warm start (600 SFT steps)",
+                 "state_exp05_grpo30": "exp-05 warm start + 30 GRPO steps", "state_qwen3_warm150": "150-step SFT",
+                 "state_qwen3_warm400": "400-step SFT", "state_qwen3_L8_warm400": "400-step SFT",
+                 "state_qwen3_L16_warm400": "400-step SFT"}
+
+
+def _geometry(r) -> str:
+    return f"{r.L}x{r.E} top-{r.k}"
+
+
+def _measurement(rows: pd.DataFrame) -> str:
+    """What one point is, from the rows' own records: the batch and its token count."""
+    def one(col):
+        vals = sorted({int(v) for v in rows[col]})
+        return "/".join(str(v) for v in vals)
+
+    lo, hi = rows.tokens.min() / 1000, rows.tokens.max() / 1000
+    return f"one batch of {one('prompts')} prompts x {one('group_size')} samples per point ({lo:.1f}k-{hi:.1f}k tokens)"
+
+
+def _rollouts(rows: pd.DataFrame) -> str:
+    kernels = "/".join(sorted(set(rows.kernels)))
+    names = {"bf16": "bf16", "fp8": "fp8 (W8A16)"}
+    return " or ".join(names.get(d, d) for d in sorted(set(rows.rollout))) + f" rollout ({kernels} kernels)"
+
+
+def router_state_points(df: pd.DataFrame) -> pd.DataFrame:
+    """The state ladder's points plus, at each of its geometries without a random-init state point, the
+    random-init bf16 Qwen3-MoE point of the same geometry from another ladder (seed 0); ordered by
+    geometry, then random init, trained, fp8."""
+    is_state = df.ladders.apply(lambda ls: "state" in ls)
+    states = df[is_state]
+    key = ["L", "E", "k", "H"]
+    geoms = set(map(tuple, states[key].to_numpy().tolist()))
+    have = set(map(tuple, states[states.state == "random"][key].to_numpy().tolist()))
+    rand = df[~is_state & (df.state == "random") & (df.seed == 0) & (df.rollout == "bf16") & (df.family == "qwen3_moe")]
+    rand = rand[[g in geoms and g not in have for g in map(tuple, rand[key].to_numpy().tolist())]]
+    out = pd.concat([states, rand]).copy()
+    out["order"] = (out.state != "random").astype(int) + 2 * (out.rollout != "bf16").astype(int)
+    return out.sort_values(["E", "L", "k", "H", "order", "point"])
+
+
+def figure_router_state(df: pd.DataFrame):
+    """Does router state change the >= 1-layer share? Random init vs trained routers at each geometry
+    the state ladder measured."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    pts = router_state_points(df)
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(pts) + 2.6))
+    colors = {"random": "0.55", "trained": "C0", "fp8": "C4"}
+    y, labels, prev = [], [], None
+    pos = 0.0
+    for _, r in pts.iterrows():
+        geom = _geometry(r)
+        if prev is not None and geom != prev:
+            pos += 0.6
+            ax.axhline(pos - 0.8, color="0.8", lw=0.8)
+        prev = geom
+        y.append(pos)
+        state = "random init" if r.state == "random" else ROUTER_STATES.get(r.point, r.state)
+        labels.append(f"{geom}: {state}" + ("" if r.rollout == "bf16" else f", {r.rollout} rollout"))
+        kind = "fp8" if r.rollout != "bf16" else "random" if r.state == "random" else "trained"
+        ax.barh(pos, r.share, xerr=[[r.share - r.share_lo], [r.share_hi - r.share]], color=colors[kind], capsize=3,
+                height=0.8)
+        inside = r.share_hi > 0.62  # no room right of a long bar: write inside it
+        ax.text(0.015 if inside else r.share_hi + 0.015, pos,
+                f"{100 * r.share:.1f} %   mean p_l {r.p_mean:.4f}   k3 {r.k3:.1e}", va="center", fontsize=8,
+                color="white" if inside else "black")
+        pos += 1.0
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
+    ax.set_xlim(0, 1.02)
+    ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=colors["random"], label="random-init routers, bf16 rollout"),
+               Patch(color=colors["trained"], label="trained routers, bf16 rollout"),
+               Patch(color=colors["fp8"], label="trained routers, fp8 (W8A16) rollout"),
+               plt.Line2D([], [], color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, real model)")]
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.1), ncol=2)
+    H = "/".join(str(h) for h in sorted(set(pts.H)))
+    ax.set_title("Router state vs the share of tokens with >= 1 re-routed MoE layer, Qwen3-MoE routing "
+                 f"(MoE layers x experts, top-k) at hidden {H}\n"
+                 f"{_rollouts(pts)} vs fp32 trainer; {_measurement(pts)}\n"
+                 "error bars: 95 % bootstrap interval over the sequences (2,000 resamples); "
+                 "exp-05 = experiment 05's geometry and checkpoints", fontsize=9.5)
+    fig.tight_layout()
+    return fig
+
+
+def figure_cluster_extrapolation(df: pd.DataFrame):
+    """The cluster models' routing geometries: measured at hidden 64 and predicted at their real width
+    from each anchor, against the paper's 94 %."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.4))
-    ax = axes[0]
-    states = df[df.ladders.apply(lambda ls: "state" in ls)].copy()
-    if not states.empty:
-        states["label"] = states.point.str.replace("state_", "") + " " + states.rollout
-        ax.barh(states.label, states.share, xerr=[states.share - states.share_lo, states.share_hi - states.share],
-                color=["C0" if d == "bf16" else "C4" for d in states.rollout], capsize=3)
-        for i, (_, r) in enumerate(states.iterrows()):
-            inside = r.share_hi > 0.6  # no room right of a long bar: write inside it
-            ax.text(0.02 if inside else r.share_hi + 0.02, i, f"mean p_l={r.p_mean:.4f}  k3={r.k3:.1e}", va="center",
-                    fontsize=7, color="white" if inside else "black")
-    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1)
-    ax.set_xlim(0, 1.05)
-    ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
-    ax.set_title("router state (exp05 = experiment 05's 8 x 32, top-4; qwen3 = 48 x 128, top-8; h64)", fontsize=9)
-
-    ax = axes[1]
     preds = predictions(df)
+    anchor = {a: anchor_row(df, a) for a in ANCHORS}
+
+    def at(a):
+        r = anchor[a]
+        return "" if r is None else f" ({r.point}: {_geometry(r)}, h{r.H})"
+
+    # trained anchors move in depth along the SFT'd depth ladder when it was measured (see predictions)
+    depth = "; depth slope from the SFT'd depth ladder" if "depth_sft" in fits(df) else ""
+
+    fig, ax = plt.subplots(figsize=(11, 6.8))
     y = np.arange(len(preds))
-    for offset, tag, color, label in ((-0.3, "measured", "C3", "measured at h64 (random init)"),
-                                      (-0.15, "random_cpu", "C2", "fit from random init, at h64"),
-                                      (0.0, "random_real", "C1", "fit from random init, at the real width"),
-                                      (0.15, "trained_real", "C0", "fit from trained exp-05 routers, at the real width"),
-                                      (0.3, "sft_real", "C5", "fit from the SFT'd base, at the real width")):
+    for offset, tag, color, label in (
+            (-0.3, "measured", "C3", "measured at hidden 64, random init (Qwen3-MoE; the others DeepSeek-V3-family "
+                                     "presets)"),
+            (-0.15, "random_cpu", "C2", "fit from the random-init base" + at("random") + ", at hidden 64"),
+            (0.0, "random_real", "C1", "fit from the random-init base, at the real width"),
+            (0.15, "trained_real", "C0", "fit from experiment 05's trained routers" + at("trained")
+             + ", at the real width" + depth),
+            (0.3, "sft_real", "C5", "fit from the base after SFT" + at("sft") + ", at the real width" + depth)):
         col = "measured_share" if tag == "measured" else f"{tag}_share"
         lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo"
         hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi"
@@ -295,31 +385,59 @@ def figure_state_cluster(df: pd.DataFrame):
             continue
         ax.errorbar(preds[col], y + offset, xerr=[preds[col] - preds[lo], preds[hi] - preds[col]], fmt="o",
                     color=color, capsize=3, label=label)
-    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 %")
+    ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, real model)")
     ax.set_yticks(y)
-    ax.set_yticklabels([f"{r.model}\n{r.L}x{r.E} top-{r.k}, H={r.H}" for _, r in preds.iterrows()], fontsize=8)
+    ax.set_yticklabels([f"{r.model}\n{r.L}x{r.E} top-{r.k}, real hidden {r.H}" for _, r in preds.iterrows()],
+                       fontsize=9)
+    ax.set_ylim(len(preds) - 0.5, -0.5)
     ax.set_xlabel("share of tokens with >= 1 re-routed MoE layer")
-    ax.set_title("cluster geometries", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=2)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.45, -0.1), ncol=1)
+    measured = df[df.point.isin(["qwen3_base_L48_E128_k8_h64"]) | df.point.str.startswith("cluster_")]
+    measured = measured[measured.rollout == "bf16"]
+    ax.set_title("Share of tokens with >= 1 re-routed MoE layer at the cluster models' routing geometries "
+                 "(MoE layers x routed experts, top-k):\nmeasured at hidden 64 and extrapolated to each model's "
+                 f"real width; {_rollouts(measured)} vs fp32 trainer, {_measurement(measured)}\n"
+                 "error bars: measured, 95 % bootstrap interval over the sequences; fits, log p_l moved from the "
+                 "anchor along the fitted ladder slopes,\nshare = 1 - (1 - p_l)^L, ± 1.96 s.d. (anchor interval, "
+                 "slope s.e. x distance moved, ladder residual scatter)", fontsize=9.5)
+    fig.tight_layout()
+    return fig
 
-    ax = axes[2]
-    for _, r in ladder(df, "depth").iterrows():
+
+def figure_flip_along_stack(df: pd.DataFrame):
+    """The per-layer flip probability p_l against the MoE layer's position in the stack."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 6))
+    drawn = []
+
+    def draw(r, label, **kw):
         layers = sorted(r.p_layer)
-        ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], ".-", label=f"L={r.L}")
-    for _, r in df[(df.point.str.startswith("cluster_")) & (df.rollout == "bf16")].iterrows():
-        layers = sorted(r.p_layer)
-        ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "-", lw=0.8, alpha=0.7,
-                label=r.point.replace("cluster_", ""))
-    for point in ANCHORS["sft"]:
+        ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], label=label, **kw)
+        drawn.append(r)
+
+    for i, (_, r) in enumerate(ladder(df, "depth").iterrows()):
+        draw(r, f"Qwen3-MoE {_geometry(r)}, random init", ls="-", marker=".", ms=4, lw=1.2, color=f"C{i}")
+    names = {f"cluster_{k}": v for k, v in LABELS.items()}
+    for i, (_, r) in enumerate(df[(df.point.str.startswith("cluster_")) & (df.rollout == "bf16")].iterrows()):
+        draw(r, f"{names.get(r.point, r.point)} preset {_geometry(r)}, random init", ls="-", lw=0.9, alpha=0.8,
+             color=f"C{4 + i}")
+    for style, point in zip(("-", "--"), ANCHORS["sft"]):
         r = point_row(df, point)
         if r is not None:
-            layers = sorted(r.p_layer)
-            ax.plot(np.arange(1, len(layers) + 1), [r.p_layer[n] for n in layers], "k--", lw=1,
-                    label=point.replace("state_", "") + " (SFT)")
+            draw(r, f"Qwen3-MoE {_geometry(r)}, {ROUTER_STATES.get(point, r.state)}", ls=style, lw=1.3, color="k")
+    rows = pd.DataFrame(drawn)
     ax.set_xlabel("MoE layer (1 = first MoE layer)")
     ax.set_ylabel("flip probability p_l")
-    ax.set_title("p_l along the stack (bf16; random init unless marked SFT)", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, None)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("Per-layer flip probability p_l along the MoE stack (share of tokens whose fp32 trainer top-k "
+                 "expert set differs from the rollout's in that layer)\n"
+                 f"MoE layers x routed experts, top-k at hidden {'/'.join(str(h) for h in sorted(set(rows.H)))}; "
+                 f"{_rollouts(rows)} vs fp32 trainer; {_measurement(rows)}\n"
+                 "each line one point's per-layer estimates, no error bars", fontsize=9.5)
     fig.tight_layout()
     return fig

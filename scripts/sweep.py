@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -334,6 +335,15 @@ def table(results: list[Result]) -> str:
 
 def record(out_dir: Path, entry: dict) -> Path:
     """Append this invocation to sweep.json and keep the totals over all invocations."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Sweeps of one experiment may run side by side (one per rung): the read-modify-write below holds
+    # an exclusive lock so neither loses the other's entry.
+    with open(out_dir / ".sweep.json.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _record_locked(out_dir, entry)
+
+
+def _record_locked(out_dir: Path, entry: dict) -> Path:
     path = out_dir / "sweep.json"
     data = json.loads(path.read_text()) if path.exists() else {"invocations": []}
     data["invocations"].append(entry)
@@ -346,7 +356,6 @@ def record(out_dir: Path, entry: dict) -> Path:
         slot["seconds"] += r["seconds"] if r["seconds"] == r["seconds"] else 0.0
         slot["attempts"] += 1
         slot["rc"] = r["rc"]
-    out_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)

@@ -237,6 +237,9 @@ class TrainerConfig:
     # ``fp32`` (the trained policy itself, in fp32, the same evaluator for every arm): comparing arms
     # of different rollout precisions by their own engines mixes the evaluator's precision into the gap.
     eval_precision: Literal["rollout", "fp32"] = "rollout"
+    # Samples per held-out problem for pass@1 (at the rollout temperature): with one, the sampling noise
+    # alone is ~0.03 on 256 problems; k samples average it down by sqrt(k). Greedy accuracy is one pass.
+    eval_samples: int = num(1, 1)
     checkpoint_every: int = num(10, 0, why="0 checkpoints only at the end")
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = num(10, 0, why="0 saves no token samples")
@@ -321,7 +324,7 @@ def config_hash(cfg: ExperimentConfig) -> str:
 # Keys added after runs were recorded, with the value those runs computed with: a recorded identity
 # that lacks one is read as having this value (so an old run still resumes, and is not taken for a
 # run of the new default).
-LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout"}
+LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout", "trainer.eval_samples": 1}
 
 
 def with_legacy_values(identity: dict) -> dict:

@@ -265,3 +265,17 @@ def test_two_arms_that_compute_the_same_thing_are_refused(tmp_path):
     # every arm shipped with experiment 00 computes something of its own
     _, _, jobs = sweep.plan(EXP_DIR, [0], None, out, 1)
     assert len(jobs) == len(list((EXP_DIR / "arms").glob("*.yaml")))
+
+
+def test_sweeps_side_by_side_keep_every_entry(tmp_path):
+    """Two sweeps of one experiment (one per rung) append to the same sweep.json: none is lost."""
+    import multiprocessing
+
+    entries = [{"wall_seconds": 1.0, "ran": True, "results": [{"arm": f"a{i}", "seed": 0, "rc": 0, "action": "run",
+                                                              "seconds": 1.0}]} for i in range(24)]
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        pool.starmap(sweep.record, [(tmp_path, e) for e in entries])
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(data["invocations"]) == 24 and len(data["runs"]) == 24
+    assert data["total_wall_seconds"] == 24.0

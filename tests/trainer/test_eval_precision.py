@@ -26,3 +26,32 @@ def test_fp32_evaluator_removes_the_precision_offset(tmp_path):
     assert bf16_by_fp32 == control
     # The bf16 engine is another evaluator: it samples other completions from the same seed.
     assert bf16_by_engine != control
+
+
+class CountingEngine:
+    """Answers correctly on the even-numbered generation calls: enough to check evaluate_policy's
+    denominators and batching without a model."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, questions, answers, group_size, greedy=False, seed=0):
+        from types import SimpleNamespace
+
+        self.calls.append((len(questions), group_size, greedy))
+        rows = [(q, a) for q, a in zip(questions, answers) for _ in range(group_size)]
+        texts = [f"\\boxed{{{a}}}" if k % 2 == 0 else "\\boxed{-1}" for k, (_, a) in enumerate(rows)]
+        return SimpleNamespace(texts=texts, answers=[a for _, a in rows])
+
+
+def test_pass1_averages_eval_samples_per_problem():
+    from moerl.trainer.warm_start import evaluate_policy
+
+    rows = [{"question": f"q{i}", "answer": str(i + 1)} for i in range(10)]
+    engine = CountingEngine()
+    acc = evaluate_policy(engine, rows, seed=0, batch=8, samples=3)
+    # 30 sampled completions (every other one right: 15) and 10 greedy ones (5 right)
+    assert acc == {"pass1": 15 / 30, "greedy": 5 / 10}
+    sampled = [c for c in engine.calls if not c[2]]
+    assert all(n * k <= 8 for n, k, _ in sampled) and sum(n for n, _, _ in sampled) == 10
+    assert {k for _, k, _ in sampled} == {3}

@@ -374,7 +374,8 @@ class GRPOTrainer:
             rollout = dataclasses.replace(self.cfg.rollout, engine="hf", dtype="fp32", kernels="native",
                                           capture_routing=False)
             engine = HFEngine(self.policy, self.tokenizer, rollout, self.cfg.data.task)
-        acc = evaluate_policy(engine, self.test_rows, seed=self.cfg.data.seed)
+        acc = evaluate_policy(engine, self.test_rows, seed=self.cfg.data.seed,
+                              samples=self.cfg.trainer.eval_samples)
         return {f"eval/{k}": v for k, v in acc.items()}
 
     def save_token_samples(self, old_logp, batch: RolloutBatch, mask) -> None:

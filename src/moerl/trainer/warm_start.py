@@ -103,19 +103,22 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
     return meta
 
 
-def evaluate_policy(engine, rows: list[dict], seed: int, batch: int = 256) -> dict:
-    """pass@1 at the engine's temperature and greedy accuracy on ``rows``."""
+def evaluate_policy(engine, rows: list[dict], seed: int, batch: int = 256, samples: int = 1) -> dict:
+    """pass@1 at the engine's temperature, averaged over ``samples`` completions per problem, and greedy
+    accuracy (one completion per problem) on ``rows``."""
     from moerl.reward import batch_rewards
 
     out = {}
     for name, greedy in (("pass1", False), ("greedy", True)):
+        per_problem = 1 if greedy else samples
+        chunk_rows = max(1, batch // per_problem)
         correct = 0.0
-        for i in range(0, len(rows), batch):
-            chunk = rows[i: i + batch]
-            rb = engine.generate([r["question"] for r in chunk], [r["answer"] for r in chunk], 1,
+        for i in range(0, len(rows), chunk_rows):
+            chunk = rows[i: i + chunk_rows]
+            rb = engine.generate([r["question"] for r in chunk], [r["answer"] for r in chunk], per_problem,
                                  greedy=greedy, seed=seed + i)
             correct += sum(batch_rewards(rb.texts, rb.answers))
-        out[name] = correct / max(len(rows), 1)
+        out[name] = correct / max(len(rows) * per_problem, 1)
     return out
 
 

@@ -116,9 +116,9 @@ def pilot_rows(dirs: list[Path]) -> str:
     the archived metrics (``metrics.jsonl.gz``) and config of every directory given."""
     import gzip
 
-    lines = ["| pilot | lr | prompts x samples | mini-batches | steps | training reward, 20-step means | "
-             "held-out pass@1 (fp32 evaluator) by step | grad-norm max | collapse step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| pilot | warm start | LoRA experts | lr (warm-up) | prompts x samples | mini-batches | steps | "
+             "training reward, 20-step means | held-out pass@1 (fp32 evaluator) by step | grad-norm max | collapse step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in dirs:
         with gzip.open(run / "metrics.jsonl.gz", "rt") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
@@ -128,7 +128,9 @@ def pilot_rows(dirs: list[Path]) -> str:
         blocks = " ".join(f"{sum(train[i:i + 20]) / len(train[i:i + 20]):.2f}" for i in range(0, len(train), 20))
         evals = ", ".join(f"{r['step']}: {r['eval/pass1']:.3f}" for r in rows if "eval/pass1" in r)
         t, ro = cfg["trainer"], cfg["rollout"]
-        lines.append(f"| {run.name} | {t['lr']:g} | {ro['prompts_per_step']} x {ro['group_size']} | "
+        warmup = f" ({t['warmup_steps']})" if t.get("warmup_steps") else ""
+        lines.append(f"| {run.name} | {cfg['warm_start']['steps']} | {cfg['lora']['expert_mode']} | {t['lr']:g}{warmup} | "
+                     f"{ro['prompts_per_step']} x {ro['group_size']} | "
                      f"{t['mini_batches']} | {summary['steps']}/{t['steps']} | {blocks} | {evals} | "
                      f"{fmt(summary['grad_norm_max'], '.1f')} | {summary['collapse_step'] or '—'} |")
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ the pick goes into base.yaml's ``warm_start.steps`` by hand, with the table in R
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_star
 
 BASE = ROOT / "experiments/07_dose_threshold/arms/fp32_control.yaml"
 REGIME = {"pass1": (0.25, 0.55), "entropy": 0.2, "length": 25}
+# pass@1 at lower sampling temperatures: how much a policy could gain by sharpening alone, the easiest
+# thing for GRPO to learn (greedy accuracy is the limit as T -> 0).
+SHARPER_TEMPERATURES = (0.8, 0.6)
 
 
 def measure(steps: int) -> dict:
@@ -38,6 +42,10 @@ def measure(steps: int) -> dict:
     _, test_rows = check_splits(cfg)
     engine = HFEngine(policy, tokenizer, cfg.rollout, cfg.data.task)  # fp32: the policy itself
     accuracy = evaluate_policy(engine, test_rows, seed=cfg.data.seed)
+    sharper = {}
+    for temperature in SHARPER_TEMPERATURES:
+        cooler = HFEngine(policy, tokenizer, dataclasses.replace(cfg.rollout, temperature=temperature), cfg.data.task)
+        sharper[str(temperature)] = evaluate_policy(cooler, test_rows, seed=cfg.data.seed)["pass1"]
     rows = test_rows[:64]
     batch = engine.generate([r["question"] for r in rows], [r["answer"] for r in rows], 8, seed=cfg.data.seed)
     with torch.no_grad():
@@ -47,7 +55,7 @@ def measure(steps: int) -> dict:
                  and entropy[mask].mean().item() >= REGIME["entropy"]
                  and mask.sum(1).float().mean().item() >= REGIME["length"])
     return {"warm_start_steps": steps, "key": warm_start_dir(cfg).name, "train_seconds": meta.get("train_seconds"),
-            "pass1": accuracy["pass1"], "greedy": accuracy["greedy"],
+            "pass1": accuracy["pass1"], "greedy": accuracy["greedy"], "pass1_at_temperature": sharper,
             "entropy_per_token": entropy[mask].mean().item(),
             "answer_tokens": mask.sum(1).float().mean().item(), "in_regime": in_regime}
 
@@ -66,11 +74,14 @@ def main() -> None:
         table[steps] = measure(steps)
         path.write_text(json.dumps({str(k): table[k] for k in sorted(table)}, indent=1) + "\n")
         print(json.dumps(table[steps]), flush=True)
-    print("\n| warm-start steps | pass@1 | greedy | entropy (nats/token) | answer tokens | in regime |")
-    print("|---|---|---|---|---|---|")
+    print("\n| warm-start steps | pass@1 | pass@1 at T = 0.8 / 0.6 | greedy | entropy (nats/token) | answer tokens "
+          "| in regime |")
+    print("|---|---|---|---|---|---|---|")
     for steps in sorted(table):
         r = table[steps]
-        print(f"| {steps} | {r['pass1']:.3f} | {r['greedy']:.3f} | {r['entropy_per_token']:.3f} | "
+        cool = r.get("pass1_at_temperature")
+        cool = " / ".join(f"{cool[str(t)]:.3f}" for t in SHARPER_TEMPERATURES) if cool else "—"
+        print(f"| {steps} | {r['pass1']:.3f} | {cool} | {r['greedy']:.3f} | {r['entropy_per_token']:.3f} | "
               f"{r['answer_tokens']:.1f} | {'yes' if r['in_regime'] else 'no'} |")
 
 

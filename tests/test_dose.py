@@ -1,5 +1,7 @@
 """The dose ladder's rules on crafted runs: the control's learning test, the mismatch order of rungs and
 the threshold."""
+import pytest
+
 from moerl.dose import control_learns, mismatch_order, run_summary, threshold
 
 
@@ -38,3 +40,64 @@ def test_threshold_is_the_lowest_collapsing_rung_in_mismatch_order():
     assert threshold({k: v for k, v in ladder.items() if k != "int4"}, control) is None
     # A control that does not learn: no threshold can be claimed, whatever collapses.
     assert threshold(ladder, run_summary(rows(LEARNS, pass1=(0.3, 0.31)))) is None
+
+
+def summaries(pass1_ends, collapse=(), acts=0.05, key="is/truncated_frac", k3=1e-3, effective=0.99, start=0.55):
+    """seed -> a crafted run_summary with the given final pass@1 (collapsed seeds listed in ``collapse``)."""
+    return {s: {"pass1_start": start, "pass1_end": end, "collapse_step": 120 if s in collapse else None,
+                "acts_on": {key: acts}, "k3_median": k3, "effective_token_frac": effective}
+            for s, end in enumerate(pass1_ends)}
+
+
+def test_mitigation_verdicts_on_paired_seeds():
+    from moerl.dose import mitigation_verdicts
+
+    control = summaries([0.66, 0.67, 0.65])
+    baseline = summaries([0.40, 0.45, 0.30], collapse=(2,))
+    v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62]), baseline, control)
+    assert (v["helps"], v["like_control"], v["prevents_collapse"]) == ("yes", "yes", "yes")
+    assert v["minus_baseline"] == {0: 0.64 - 0.40, 1: 0.66 - 0.45, 2: 0.62 - 0.30}
+    # One seed better, one worse than the baseline: the seed interval straddles 0.
+    v = mitigation_verdicts("tis", summaries([0.45, 0.40, 0.35], collapse=(2,)), baseline, control)
+    assert (v["helps"], v["like_control"], v["prevents_collapse"]) == ("inconclusive", "no", "no")
+    v = mitigation_verdicts("tis", summaries([0.50, 0.60, 0.20], collapse=(1, 2)), baseline, control)
+    assert v["prevents_collapse"] == "no" and v["collapsed"] == 2
+
+
+def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():
+    from moerl.dose import mitigation_verdicts
+
+    control = summaries([0.66, 0.67, 0.65])
+    baseline = summaries([0.40, 0.45, 0.30])
+    # TIS truncated 0.2 % of tokens in every seed: it hardly acted.
+    v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62], acts=0.002), baseline, control)
+    assert v["acted"] is False and v["helps"] == v["like_control"] == "not tested"
+    # The baseline kept up with the control in one seed: nothing attributable to the mismatch.
+    v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62]), summaries([0.40, 0.70, 0.30]), control)
+    assert v["baseline_behind_control"] is False and v["helps"] == "not tested"
+    # No baseline seed collapsed: "prevents collapse" cannot be tested either way.
+    v = mitigation_verdicts("r3", summaries([0.64, 0.66, 0.62], key="routing/any_layer_differs", acts=0.3),
+                            baseline, control)
+    assert v["acted"] is True and v["prevents_collapse"] == "not tested" and v["helps"] == "yes"
+
+
+def test_r3_reduces_mismatch_needs_both_halves():
+    from moerl.dose import r3_reduces_mismatch
+
+    baseline = summaries([0.4] * 3, k3=1e-3, effective=0.99)
+    assert r3_reduces_mismatch(summaries([0.6] * 3, k3=3e-4, effective=0.99), baseline)["verdict"] == "yes"
+    # Less mismatch, but far fewer tokens keep a gradient: the claim's second half fails.
+    assert r3_reduces_mismatch(summaries([0.6] * 3, k3=3e-4, effective=0.90), baseline)["verdict"] == "no"
+    mixed = summaries([0.6] * 3, k3=3e-4)
+    mixed[1]["k3_median"] = 2e-3
+    assert r3_reduces_mismatch(mixed, baseline)["k3"] == "inconclusive"
+
+
+def test_run_summary_carries_what_each_mitigation_acted_on():
+    rs = rows(LEARNS)
+    for r in rs:
+        if "reward/mean" in r:
+            r.update({"is/truncated_frac": 0.02, "mask/token_frac": 0.0, "routing/any_layer_differs": 0.3})
+    s = run_summary(rs)
+    assert s["acts_on"] == pytest.approx({"is/truncated_frac": 0.02, "mask/token_frac": 0.0,
+                                          "routing/any_layer_differs": 0.3})

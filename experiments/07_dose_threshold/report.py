@@ -21,7 +21,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.dose import control_learns, mismatch_order, run_summary, threshold  # noqa: E402
+from moerl.dose import (MATCH_MARGIN, MITIGATIONS, control_learns, mismatch_order, mitigation_verdicts,  # noqa: E402
+                        r3_reduces_mismatch, run_summary, threshold)
 from moerl.tracking import read_metrics  # noqa: E402
 
 EXPERIMENT = "07_dose_threshold"
@@ -35,8 +36,12 @@ def load_runs(root: Path) -> list[dict]:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         summary = run_summary(read_metrics(metrics))
         if summary["steps"]:
-            runs.append({"arm": cfg["arm"], "rung": cfg["rollout"]["dtype"], "seed": int(cfg["seed"]),
-                         "steps_planned": cfg["trainer"]["steps"], **summary})
+            model, rollout = cfg.get("model", {}), cfg["rollout"]
+            setup = (f"{model.get('preset', '?')} {model.get('num_layers', '?')} x {model.get('num_experts', '?')} "
+                     f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
+                     f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
+            runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
+                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, **summary})
     return runs
 
 
@@ -51,6 +56,12 @@ def ladder_rows(runs: list[dict]) -> tuple[dict, dict | None]:
     if control is not None:
         ladder["fp32"] = control
     return ladder, control
+
+
+def _learns(run: dict) -> str:
+    if run["steps"] < run["steps_planned"]:
+        return f"unfinished: step {run['steps']} of {run['steps_planned']}"
+    return "learns by the rule" if control_learns(run) else "does not learn by the rule"
 
 
 def markdown(runs: list[dict]) -> str:
@@ -68,12 +79,68 @@ def markdown(runs: list[dict]) -> str:
     controls = [r for r in runs if r["arm"] == "fp32_control"]
     lines += ["", "Control (fp32 rollout), every seed: " + ", ".join(
         f"seed {r['seed']}: pass@1 {fmt(r['pass1_start'])} → {fmt(r['pass1_end'])} at step {r['pass1_end_step']}"
-        f" ({'learns' if control_learns(r) else 'does not learn'} by the rule)" for r in sorted(controls, key=lambda r: r["seed"]))]
+        f" ({_learns(r)})" for r in sorted(controls, key=lambda r: r["seed"]))]
     finished = control is not None and all(r["steps"] == r["steps_planned"] for r in ladder.values())
     found = threshold(ladder, control) if control is not None else None
     lines.append("Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control "
                  f"learns): **{found or 'none'}**" + ("" if finished else " — the ladder is not complete yet"))
     return "\n".join(lines) + "\n"
+
+
+def by_seed(runs: list[dict], arm: str, rung: str | None = None) -> dict[int, dict]:
+    """seed -> summary of the finished runs of ``arm`` (at ``rung``; the control's rung is fp32)."""
+    return {r["seed"]: r for r in runs if r["arm"] == arm and (rung is None or r["rung"] == rung)
+            and r["steps"] == r["steps_planned"]}
+
+
+def grid(runs: list[dict]) -> dict[str, dict]:
+    """rung -> the main grid's paired statistics and verdicts there (rungs where a mitigation arm ran)."""
+    control = by_seed(runs, "fp32_control")
+    out = {}
+    for rung in sorted({r["rung"] for r in runs if r["arm"] in MITIGATIONS}):
+        baseline = by_seed(runs, "baseline", rung)
+        arms = {arm: mitigation_verdicts(arm, by_seed(runs, arm, rung), baseline, control)
+                for arm in MITIGATIONS if by_seed(runs, arm, rung)}
+        r3 = by_seed(runs, "r3", rung)
+        out[rung] = {"baseline_seeds": sorted(baseline), "control_seeds": sorted(control), "arms": arms,
+                     "baseline_minus_control": {s: baseline[s]["pass1_end"] - control[s]["pass1_end"]
+                                                for s in sorted(set(baseline) & set(control))},
+                     "baseline_collapsed": sum(r.get("collapse_step") is not None for r in baseline.values()),
+                     "r3_reduces_mismatch": r3_reduces_mismatch(r3, baseline) if r3 and baseline else None}
+    return out
+
+
+def _interval(values: dict[int, float]) -> str:
+    v = list(values.values())
+    if not v:
+        return "—"
+    return f"{sum(v) / len(v):+.3f} [{min(v):+.3f}, {max(v):+.3f}]"
+
+
+def grid_markdown(table: dict[str, dict]) -> str:
+    if not table:
+        return "\nMain grid: not run yet.\n"
+    lines = [f"\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.dose):\n"]
+    for rung, g in table.items():
+        lines += [f"**rung {rung}** — baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), "
+                  f"control seeds {g['control_seeds']}", "",
+                  "| arm | seeds | collapsed (steps) | final pass@1 − baseline | final pass@1 − control | "
+                  "acted on (share of tokens, per seed) | tokens keeping a gradient | helps | trains like the control "
+                  f"(within {MATCH_MARGIN}) | prevents collapse |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for arm, v in g["arms"].items():
+            acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
+            kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
+            lines.append(f"| {arm} | {v['seeds']} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
+                         f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
+                         f"{v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
+        r3 = g["r3_reduces_mismatch"]
+        if r3:
+            ratios = ", ".join(f"{x:.2f}" for x in r3["k3_ratio"].values())
+            lines += ["", f"R3 / baseline run-median k3 per seed: {ratios} ({r3['k3']}); tokens keeping a gradient, "
+                      f"R3 − baseline: {_interval(r3['effective_minus_baseline'])} ({r3['kept']}); "
+                      f"R3 reduces the mismatch without shrinking the sample set: **{r3['verdict']}**"]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def figure(runs: list[dict], path: Path) -> None:
@@ -86,8 +153,12 @@ def figure(runs: list[dict], path: Path) -> None:
     order = mismatch_order(ladder)
     fig, (ax_k3, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
     x = range(len(order))
-    ax_k3.semilogy(x, [max(ladder[r]["k3_median"] or 1e-16, 1e-16) for r in order], "o-", color="tab:red")
-    ax_k3.set_ylabel("k3 KL, run median (log)")
+    low = [i for i, r in zip(x, order) if r != "fp32"]
+    ax_k3.semilogy(low, [ladder[order[i]]["k3_median"] for i in low], "o-", color="tab:red")
+    if "fp32" in order:
+        ax_k3.annotate("no mismatch\n(k3 = 0 up to\nfp32 round-off)", (0, 0.5), xycoords=("data", "axes fraction"),
+                       ha="center", fontsize=8)
+    ax_k3.set_ylabel("k3 KL vs the fp32 trainer, run median (log)")
     ax_k3.set_title("mismatch given by each rung")
     for r_i, r in zip(x, order):
         s = ladder[r]
@@ -95,6 +166,12 @@ def figure(runs: list[dict], path: Path) -> None:
         ax_acc.bar(r_i, gain, color="tab:gray" if r == "fp32" else "tab:blue")
         if s["collapse_step"] is not None:
             ax_acc.annotate(f"collapsed\nstep {s['collapse_step']}", (r_i, gain), ha="center", va="bottom", fontsize=8)
+    controls = [r["pass1_end"] - r["pass1_start"] for r in runs if r["arm"] == "fp32_control"
+                and r["steps"] == r["steps_planned"] and r["pass1_end"] is not None]
+    if controls:
+        ax_acc.axhspan(min(controls), max(controls), color="tab:gray", alpha=0.25, lw=0,
+                       label=f"fp32 control, {len(controls)} seed(s): min-max")
+        ax_acc.legend(loc="lower left", fontsize=8)
     if control is not None:
         ax_acc.axhline(0.10, ls="--", color="k", lw=0.8)
         ax_acc.text(len(order) - 0.5, 0.10, "control must gain ≥ 0.10", ha="right", va="bottom", fontsize=8)
@@ -104,7 +181,45 @@ def figure(runs: list[dict], path: Path) -> None:
     for ax in (ax_k3, ax_acc):
         ax.set_xticks(list(x), [f"{r}\n(control)" if r == "fp32" else r for r in order])
         ax.set_xlabel("rollout precision, ordered by measured mismatch")
-    fig.suptitle("Experiment 07: dose ladder, uncorrected arm (1 seed per rung)", fontsize=11)
+    setups = sorted({ladder[r]["setup"] for r in order})
+    steps = sorted({ladder[r]["steps_planned"] for r in order})
+    fig.suptitle(f"Experiment 07: dose ladder, uncorrected arm (seed 0 per rung)\n{'; '.join(setups)}; "
+                 f"{', '.join(map(str, steps))} GRPO steps", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def mitigation_figure(table: dict[str, dict], path: Path) -> None:
+    """One question: at each rung of the main grid, which arm ends where the control ends? Per arm, each
+    seed's final held-out pass@1 minus the control's of the same seed (0 = trains like the control)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not table:
+        return
+    fig, axes = plt.subplots(1, len(table), figsize=(max(8.0, 5.2 * len(table)), 4.2), sharey=True, squeeze=False)
+    for ax, (rung, g) in zip(axes[0], table.items()):
+        names = ["baseline"] + list(g["arms"])
+        baseline = {s: r for s, r in g.get("baseline_minus_control", {}).items()}
+        for i, name in enumerate(names):
+            values = baseline if name == "baseline" else g["arms"][name]["minus_control"]
+            ys = list(values.values())
+            ax.scatter([i] * len(ys), ys, color="tab:red" if name == "baseline" else "tab:blue", zorder=3)
+            if ys:
+                ax.hlines(sum(ys) / len(ys), i - 0.25, i + 0.25, color="k", lw=1)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.axhspan(-MATCH_MARGIN, 0, color="tab:gray", alpha=0.2, lw=0, label=f"within {MATCH_MARGIN} of the control")
+        ax.set_xticks(range(len(names)), names, rotation=30)
+        ax.set_title(f"rollout {rung}")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("final held-out pass@1 − control's (same seed)")
+    fig.suptitle("Experiment 07: which mitigation trains like the fp32 control?\n"
+                 "each seed's final held-out pass@1 (fp32 evaluator) minus the control's of the same seed; dots: seeds, "
+                 "bar: mean", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -141,6 +256,7 @@ def main() -> None:
     ap.add_argument("--runs", default="results/runs")
     ap.add_argument("--out", default="results/07_dose_threshold")
     ap.add_argument("--figure", default="results/figures/07_dose_ladder.png")
+    ap.add_argument("--mitigation-figure", default="results/figures/07_mitigations.png")
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
     args = ap.parse_args()
     if args.pilots:
@@ -151,11 +267,14 @@ def main() -> None:
         sys.exit(f"report: no runs of {EXPERIMENT} under {args.runs} (run experiments/07_dose_threshold/launch.sh pilot)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(runs)
+    table = grid(runs)
+    text = markdown(runs) + grid_markdown(table)
     (out / "ladder.md").write_text(text)
-    (out / "ladder.json").write_text(json.dumps(runs, indent=1) + "\n")
+    (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table}, indent=1, default=str) + "\n")
     figure(runs, Path(args.figure))
-    print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}")
+    mitigation_figure(table, Path(args.mitigation_figure))
+    print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}"
+          + (f", {args.mitigation_figure}" if table else ""))
 
 
 if __name__ == "__main__":

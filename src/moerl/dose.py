@@ -10,6 +10,19 @@ Rules (moerl.collapse defines a collapse):
   rises by at least ``CONTROL_GAIN`` from step 0 to the end;
 - **the threshold** is the lowest rung, in mismatch order, whose uncorrected (baseline) run collapses
   while the control learns; no such rung: no threshold within the budget (a result, stated as such).
+
+The main grid (every mitigation arm x 3 seeds at a rung) is judged per arm on *paired seeds* (seed s of
+an arm against seed s of the baseline and of the control: same prompts, same initial LoRA), with
+moerl.verdicts' rules (:func:`mitigation_verdicts`):
+- **helps**: the arm's final held-out pass@1 minus the baseline's, every seed above 0 -> yes, every seed
+  below -> no, straddling -> inconclusive;
+- **trains like the control**: the arm's final pass@1 minus the control's, every seed above
+  ``-MATCH_MARGIN`` -> yes, every seed below -> no, straddling -> inconclusive;
+- **prevents collapse** (only where the baseline collapsed in some seed): no collapsed seed -> yes,
+  as many as the baseline -> no, fewer -> partly;
+- both gated to *not tested* when the arm acted on < 1 % of tokens in every seed (``ACTS_ON``: TIS
+  truncated, MIS / IcePop masked, R3 replayed a different expert set somewhere in the token's stack)
+  or when the baseline did not fall behind the control in every paired seed (nothing to mitigate).
 """
 from __future__ import annotations
 
@@ -17,9 +30,17 @@ import numpy as np
 
 from moerl.collapse import collapse_step
 
+from moerl.verdicts import INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control, by_threshold, gate
+
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
 CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
+MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis")  # the main grid's arms besides baseline and control
+# What each mitigation acts on, per run (run mean of a per-step share of response tokens): TIS truncates
+# weights, MIS / IcePop zero them, R3 replaces the trainer's experts where they differ from the rollout's.
+ACTS_ON = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "icepop": "mask/token_frac",
+           "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
+MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 within 0.05 (half the control's required gain)
 
 
 def _values(rows: list[dict], key: str) -> np.ndarray:
@@ -41,12 +62,17 @@ def run_summary(rows: list[dict]) -> dict:
         v = _values(train, key)
         return float(np.nanmedian(v)) if v.size else None
 
+    def mean(key):
+        v = _values(train, key)
+        return float(np.nanmean(v)) if v.size else None
+
     return {"steps": len(train), "k3_median": median("mismatch/k3"),
             "any_layer_differs": median("routing/any_layer_differs"),
             "extreme_gt2": median("mismatch/extreme_gt2"),
             "grad_norm_median": float(np.nanmedian(grad)) if grad.size else None,
             "grad_norm_max": float(np.nanmax(grad)) if grad.size else None,
             "effective_token_frac": median("effective/token_frac"),
+            "acts_on": {key: mean(key) for key in set(ACTS_ON.values())},
             "reward_first": float(reward[:REWARD_WINDOW].mean()), "reward_last": float(reward[-REWARD_WINDOW:].mean()),
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),
@@ -74,3 +100,64 @@ def threshold(baselines: dict[str, dict], control: dict) -> str | None:
         if rung != "fp32" and baselines[rung].get("collapse_step") is not None:
             return rung
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The main grid: every mitigation against the baseline and the control, on paired seeds
+
+
+def _paired(arm: dict[int, dict], other: dict[int, dict], key: str) -> dict[int, float]:
+    """seed -> arm[key] - other[key] on the seeds both finished with a value."""
+    return {s: arm[s][key] - other[s][key] for s in sorted(set(arm) & set(other))
+            if arm[s].get(key) is not None and other[s].get(key) is not None}
+
+
+def _gain(runs: dict[int, dict]) -> dict[int, float]:
+    return {s: r["pass1_end"] - r["pass1_start"] for s, r in runs.items()
+            if r.get("pass1_end") is not None and r.get("pass1_start") is not None}
+
+
+def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dict],
+                        control: dict[int, dict]) -> dict:
+    """One mitigation arm at one rung (each argument: seed -> run_summary): its paired statistics and
+    verdicts by the rules in the module docstring."""
+    over_baseline = _paired(runs, baseline, "pass1_end")
+    over_control = _paired(runs, control, "pass1_end")
+    acted_fracs = [r["acts_on"].get(ACTS_ON[arm]) for r in runs.values() if ACTS_ON.get(arm) and "acts_on" in r]
+    acted = acts_on(acted_fracs) if arm in ACTS_ON else None
+    # Nothing to mitigate unless the baseline fell behind the control (lower gain) in every paired seed.
+    effect = beyond_control(_gain(baseline), _gain(control), worse="lower")
+    collapsed = [s for s, r in runs.items() if r.get("collapse_step") is not None]
+    base_collapsed = [s for s, r in baseline.items() if r.get("collapse_step") is not None]
+    if not base_collapsed:
+        prevents = NOT_TESTED
+    elif not collapsed:
+        prevents = YES
+    else:
+        prevents = NO if len(collapsed) >= len(base_collapsed) else PARTLY
+    return {
+        "arm": arm, "seeds": sorted(runs),
+        "collapsed": len(collapsed), "collapse_steps": [runs[s]["collapse_step"] for s in collapsed],
+        "pass1_end": {s: r.get("pass1_end") for s, r in runs.items()},
+        "minus_baseline": over_baseline, "minus_control": over_control,
+        "effective_token_frac": {s: r.get("effective_token_frac") for s, r in runs.items()},
+        "acted_frac": acted_fracs, "acted": acted, "baseline_behind_control": effect,
+        "helps": gate(by_threshold(over_baseline.values(), 0.0), acted, effect),
+        "like_control": gate(by_threshold(over_control.values(), -MATCH_MARGIN), acted, effect),
+        "prevents_collapse": gate(prevents, acted, effect),
+    }
+
+
+def r3_reduces_mismatch(r3: dict[int, dict], baseline: dict[int, dict]) -> dict:
+    """Mind Lab's claim, paired: R3's run-median k3 over the baseline's below 1 in every seed, and its
+    share of tokens keeping a gradient not below the baseline's by more than 0.01 in any seed."""
+    ratio = {s: r3[s]["k3_median"] / baseline[s]["k3_median"] for s in sorted(set(r3) & set(baseline))
+             if r3[s].get("k3_median") is not None and baseline[s].get("k3_median")}
+    kept = _paired(r3, baseline, "effective_token_frac")
+    k3_verdict = by_threshold(ratio.values(), 1.0, above=NO, below=YES)
+    kept_verdict = by_threshold(kept.values(), -0.01)
+    both = (YES if k3_verdict == YES and kept_verdict == YES else
+            NO if NO in (k3_verdict, kept_verdict) else
+            INCONCLUSIVE if INCONCLUSIVE in (k3_verdict, kept_verdict) else NOT_TESTED)
+    return {"k3_ratio": ratio, "effective_minus_baseline": kept, "k3": k3_verdict, "kept": kept_verdict,
+            "verdict": both}

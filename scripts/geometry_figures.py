@@ -20,8 +20,7 @@ matplotlib.use("Agg")
 from moerl.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
                                    figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
                                    sft_depth)
-
-BEGIN, END = "<!-- experiment 06: begin (scripts/geometry_figures.py) -->", "<!-- experiment 06: end -->"
+from moerl.results import write_marked_section
 
 
 def pct(x, lo=None, hi=None) -> str:
@@ -193,18 +192,11 @@ def main() -> None:
             f"Paper: {pct(PAPER_SHARE)} of tokens differ in >= 1 router on Qwen3-30B-A3B (R3 paper, arXiv 2510.11370)."]
     Path(args.points, "summary.md").write_text("\n".join(["# Experiment 06: routing geometry (generated)", "",
                                                            *[b.replace("](figures/", "](../figures/") for b in body]]) + "\n")
-    section = "\n".join([BEGIN, "## 06_routing_geometry", "",
-                         "Written by `python scripts/geometry_figures.py` from the point JSONs in `results/geometry` "
-                         "(`experiments/06_routing_geometry/run.sh`); bf16 rollout with emulated kernels vs the fp32 "
-                         "trainer, one batch of 16 prompts x 8 samples per point, intervals resample sequences.", "",
-                         *body, END])
-    results = Path(args.results)
-    text = results.read_text() if results.exists() else "# Results\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    results.write_text(text)
+    write_marked_section(args.results, "experiment 06", "scripts/geometry_figures.py", "\n".join([
+        "## 06_routing_geometry", "",
+        "Written by `python scripts/geometry_figures.py` from the point JSONs in `results/geometry` "
+        "(`experiments/06_routing_geometry/run.sh`); bf16 rollout with emulated kernels vs the fp32 "
+        "trainer, one batch of 16 prompts x 8 samples per point, intervals resample sequences.", "", *body]))
     print("\n".join(body))
 
 

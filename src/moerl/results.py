@@ -453,3 +453,21 @@ def load_refit(root: str | Path = "results/refit") -> dict[str, dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON ({err})") from None
     return out
+
+
+def write_marked_section(path: str | Path, name: str, writer: str, body: str) -> None:
+    """Put ``body`` into the markdown file ``path`` between ``<!-- name: begin (writer) -->`` and
+    ``<!-- name: end -->``, replacing that section if present, appending it otherwise. Several scripts
+    share results/RESULTS.md this way; scripts/write_results.py keeps every such section when it rewrites
+    the rest."""
+    from moerl.tracking import atomic_write_text
+
+    path = Path(path)
+    begin, end = f"<!-- {name}: begin ({writer}) -->", f"<!-- {name}: end -->"
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text() if path.exists() else "# Results\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    atomic_write_text(path, text)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.dose import (MATCH_MARGIN, MITIGATIONS, control_learns, mismatch_order, mitigation_verdicts,  # noqa: E402
                         r3_reduces_mismatch, run_summary, threshold)
+from moerl.results import write_marked_section  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
 
 EXPERIMENT = "07_dose_threshold"
@@ -143,6 +144,52 @@ def grid_markdown(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
+    """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.dose, moerl.verdicts)."""
+    controls = [r for r in runs if r["arm"] == "fp32_control" and r["steps"] == r["steps_planned"]]
+    learns = len(controls) >= 3 and all(control_learns(r) for r in controls)
+    ladder, control = ladder_rows(runs)
+    found = threshold(ladder, control) if control is not None else None
+    done = control is not None and all(r["steps"] == r["steps_planned"] for r in ladder.values())
+    rungs = [r for r in mismatch_order(ladder) if r != "fp32"]
+    if not learns:
+        collapse = ("not tested", f"the fp32 control learned (≥ +0.10 held-out pass@1) in {sum(map(control_learns, controls))}"
+                    f" of {len(controls)} finished seeds; 3 of 3 are needed")
+    elif not done:
+        collapse = ("not tested", "the ladder pilot has not finished")
+    elif found is None:
+        collapse = ("no", f"no rung up to {rungs[-1] if rungs else '—'} collapsed within "
+                    f"{control['steps_planned']} steps while the control learned")
+    else:
+        collapse = ("yes", f"the uncorrected run collapses from rung {found} (step {ladder[found]['collapse_step']}) "
+                    "while the control learns")
+    lines = ["| claim | source | moerl | verdict |", "|---|---|---|---|",
+             f"| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | {collapse[1]} | **{collapse[0]}** |"]
+    for rung, g in table.items():
+        r3, tis = g["arms"].get("r3"), g["arms"].get("tis")
+        if r3:
+            lines.append(f"| R3 keeps GRPO training like the mismatch-free run (rung {rung}) | R3 paper | "
+                         f"final pass@1 − control {_interval(r3['minus_control'])}, − baseline "
+                         f"{_interval(r3['minus_baseline'])}; collapsed {r3['collapsed']} of {len(r3['seeds'])} "
+                         f"(baseline {g['baseline_collapsed']}) | **{r3['like_control']}** (helps: {r3['helps']}; "
+                         f"prevents collapse: {r3['prevents_collapse']}) |")
+        if g.get("r3_reduces_mismatch"):
+            m = g["r3_reduces_mismatch"]
+            ratios = ", ".join(f"{x:.2f}" for x in m["k3_ratio"].values())
+            lines.append(f"| R3 reduces the mismatch without shrinking the effective sample set (rung {rung}) | "
+                         f"Mind Lab R3 blog | R3 / baseline k3 per seed {ratios}; tokens keeping a gradient R3 − "
+                         f"baseline {_interval(m['effective_minus_baseline'])} | **{m['verdict']}** |")
+        if tis:
+            lines.append(f"| token TIS (cap 2) lets a low-precision rollout train like a full-precision one (rung "
+                         f"{rung}) | FlashRL (Liu, Yao et al., 2025) | final pass@1 − fp32 control "
+                         f"{_interval(tis['minus_control'])}; truncated share per seed "
+                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}** |")
+    if not table:
+        lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
+                     "not run yet | **not tested** |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -257,6 +304,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/07_dose_threshold")
     ap.add_argument("--figure", default="results/figures/07_dose_ladder.png")
     ap.add_argument("--mitigation-figure", default="results/figures/07_mitigations.png")
+    ap.add_argument("--results", default="results/RESULTS.md",
+                    help="the section of this experiment in this file is rewritten ('' leaves it alone)")
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
     args = ap.parse_args()
     if args.pilots:
@@ -268,11 +317,20 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = grid(runs)
-    text = markdown(runs) + grid_markdown(table)
+    text = markdown(runs) + grid_markdown(table) + "\n" + claims_markdown(runs, table)
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table}, indent=1, default=str) + "\n")
     figure(runs, Path(args.figure))
     mitigation_figure(table, Path(args.mitigation_figure))
+    if args.results:
+        write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
+            "## 07_dose_threshold", "",
+            "Written by `python experiments/07_dose_threshold/report.py` from `results/runs/07_dose_threshold` "
+            "(rules: `src/moerl/dose.py`, `src/moerl/verdicts.py`; regime and commands: "
+            "`experiments/07_dose_threshold/README.md`). Held-out pass@1 is measured by the trained policy in fp32 "
+            "for every arm; rollouts use the emulated kernels.", "", text,
+            "![dose ladder](figures/07_dose_ladder.png)", ""]
+            + (["![mitigations](figures/07_mitigations.png)", ""] if table else [])))
     print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}"
           + (f", {args.mitigation_figure}" if table else ""))
 

@@ -40,7 +40,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
         write_run(runs, "r3", "int4", seed, r3, 8e-3)
     out, fig = tmp_path / "out", tmp_path / "fig.png"
     monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(out), "--figure", str(fig),
-                                     "--mitigation-figure", str(tmp_path / "mit.png")])
+                                     "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md")])
     report.main()
     text = (out / "ladder.md").read_text()
     assert "seed 0: pass@1 0.550 → 0.680 at step 60 (learns by the rule)" in text
@@ -52,3 +52,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"
     assert "| r3 | [0, 1, 2] | 0 (—) |" in text
     assert fig.exists() and fig.stat().st_size > 10_000 and (tmp_path / "mit.png").stat().st_size > 10_000
+    results = (tmp_path / "R.md").read_text()
+    assert "<!-- experiment 07: begin (experiments/07_dose_threshold/report.py) -->" in results
+    assert "| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | the uncorrected run collapses from rung int4" in results
+    assert "R3 keeps GRPO training like the mismatch-free run (rung int4)" in results and "**yes** (helps: yes" in results

@@ -21,29 +21,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.dose import (MATCH_MARGIN, MITIGATIONS, control_learns, mismatch_order, mitigation_verdicts,  # noqa: E402
-                        r3_reduces_mismatch, run_summary, threshold)
+from moerl.dose import (EXPERIMENT, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
+                        mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
 from moerl.results import write_marked_section  # noqa: E402
-from moerl.tracking import read_metrics  # noqa: E402
-
-EXPERIMENT = "07_dose_threshold"
-
-
-def load_runs(root: Path) -> list[dict]:
-    """Every run of the experiment: arm, rung (its rollout.dtype), seed and its summary."""
-    runs = []
-    for metrics in sorted((root / EXPERIMENT).glob("*/seed*/metrics.jsonl")):
-        run = metrics.parent
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-        summary = run_summary(read_metrics(metrics))
-        if summary["steps"]:
-            model, rollout = cfg.get("model", {}), cfg["rollout"]
-            setup = (f"{model.get('preset', '?')} {model.get('num_layers', '?')} x {model.get('num_experts', '?')} "
-                     f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
-                     f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
-            runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
-                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, **summary})
-    return runs
 
 
 def fmt(x, spec=".3f"):

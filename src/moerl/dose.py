@@ -26,12 +26,16 @@ moerl.verdicts' rules (:func:`mitigation_verdicts`):
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import yaml
 
 from moerl.collapse import collapse_step
-
+from moerl.tracking import read_metrics
 from moerl.verdicts import INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control, by_threshold, gate
 
+EXPERIMENT = "07_dose_threshold"
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
 CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
@@ -77,6 +81,23 @@ def run_summary(rows: list[dict]) -> dict:
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),
             "collapse_step": collapse_step(rows)}
+
+
+def load_runs(root: str | Path) -> list[dict]:
+    """Every run of the experiment: arm, rung (its rollout.dtype), seed and its summary."""
+    runs = []
+    for metrics in sorted((Path(root) / EXPERIMENT).glob("*/seed*/metrics.jsonl")):
+        run = metrics.parent
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        summary = run_summary(read_metrics(metrics))
+        if summary["steps"]:
+            model, rollout = cfg.get("model", {}), cfg["rollout"]
+            setup = (f"{model.get('preset', '?')} {model.get('num_layers', '?')} x {model.get('num_experts', '?')} "
+                     f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
+                     f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
+            runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
+                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, **summary})
+    return runs
 
 
 def control_learns(summary: dict) -> bool:

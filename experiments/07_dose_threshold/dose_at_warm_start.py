@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moerl.config import load_config  # noqa: E402
 from moerl.routing_geometry import measure  # noqa: E402
 from moerl.trainer.grpo import check_splits  # noqa: E402
-from moerl.trainer.warm_start import load_warm_start  # noqa: E402
+from moerl.trainer.warm_start import load_warm_start, warm_start_dir  # noqa: E402
 
 ARM = ROOT / "experiments/07_dose_threshold/arms/baseline.yaml"
 RUNGS = ("bf16", "int8", "fp8", "nvfp4", "int4")
@@ -40,6 +40,8 @@ def main() -> None:
     policy.eval()
     _, test_rows = check_splits(cfg)
     points = {rung: measure(policy, tokenizer, cfg, test_rows[: args.prompts], dtype=rung, seed=0) for rung in RUNGS}
+    for point in points.values():  # which warm start was measured (base.yaml's at the time)
+        point.update(warm_start=warm_start_dir(cfg).name, warm_start_steps=cfg.warm_start.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dose_at_warm_start.json").write_text(json.dumps(points, indent=1) + "\n")

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.dose import (EXPERIMENT, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
-                        mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
+                        RUNGS, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
 from moerl.results import write_marked_section  # noqa: E402
 
 
@@ -37,6 +37,11 @@ def ladder_rows(runs: list[dict]) -> tuple[dict, dict | None]:
     if control is not None:
         ladder["fp32"] = control
     return ladder, control
+
+
+def ladder_complete(ladder: dict[str, dict]) -> bool:
+    """Every rung of the ladder (moerl.dose.RUNGS) has a finished seed-0 run."""
+    return set(RUNGS) <= set(ladder) and all(r["steps"] == r["steps_planned"] for r in ladder.values())
 
 
 def _learns(run: dict) -> str:
@@ -61,7 +66,7 @@ def markdown(runs: list[dict]) -> str:
     lines += ["", "Control (fp32 rollout), every seed: " + ", ".join(
         f"seed {r['seed']}: pass@1 {fmt(r['pass1_start'])} → {fmt(r['pass1_end'])} at step {r['pass1_end_step']}"
         f" ({_learns(r)})" for r in sorted(controls, key=lambda r: r["seed"]))]
-    finished = control is not None and all(r["steps"] == r["steps_planned"] for r in ladder.values())
+    finished = ladder_complete(ladder)
     found = threshold(ladder, control) if control is not None else None
     lines.append("Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control "
                  f"learns): **{found or 'none'}**" + ("" if finished else " — the ladder is not complete yet"))
@@ -130,7 +135,7 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
     learns = len(controls) >= 3 and all(control_learns(r) for r in controls)
     ladder, control = ladder_rows(runs)
     found = threshold(ladder, control) if control is not None else None
-    done = control is not None and all(r["steps"] == r["steps_planned"] for r in ladder.values())
+    done = ladder_complete(ladder)
     rungs = [r for r in mismatch_order(ladder) if r != "fp32"]
     if not learns:
         collapse = ("not tested", f"the fp32 control learned (≥ +0.10 held-out pass@1) in {sum(map(control_learns, controls))}"

@@ -17,8 +17,9 @@ NOTEBOOKS = sorted((REPO / "analysis").glob("*.ipynb"))
 FIXTURE_RUNS = REPO / "tests" / "fixtures" / "runs"
 FIXTURE_REFIT = REPO / "tests" / "fixtures" / "refit"
 # Experiment 05's notebook reads its own fixture: three DeepSeek-V3 arms x 2 seeds of the recorded
-# runs, with the keys it draws only.
-FIXTURE_RUNS_BY_NOTEBOOK = {"06_mismatch_consequences": REPO / "tests" / "fixtures" / "runs_05"}
+# runs, with the keys it draws only; experiment 07's, the control and one rung of its recorded runs.
+FIXTURE_RUNS_BY_NOTEBOOK = {"06_mismatch_consequences": REPO / "tests" / "fixtures" / "runs_05",
+                            "08_dose_ladder": REPO / "tests" / "fixtures" / "runs_07"}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,8 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
         write_run(runs, "baseline", "int4", seed, base, 2e-2, collapse=seed in (0, 2))
         write_run(runs, "tis", "int4", seed, tis, 2e-2)
         write_run(runs, "r3", "int4", seed, r3, 8e-3)
+    for rung, k3 in (("bf16", 6e-4), ("int8", 3e-3), ("fp8", 2.5e-3), ("nvfp4", 1.5e-2)):  # the rest of the ladder
+        write_run(runs, "baseline", rung, 0, 0.6, k3)
     out, fig = tmp_path / "out", tmp_path / "fig.png"
     monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(out), "--figure", str(fig),
                                      "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md")])

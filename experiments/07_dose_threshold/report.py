@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moerl.dose import (EXPERIMENT, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
                         RUNGS, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
 from moerl.results import write_marked_section  # noqa: E402
+from moerl.tracking import read_metrics  # noqa: E402
 
 
 def fmt(x, spec=".3f"):
@@ -201,7 +202,7 @@ def figure(runs: list[dict], path: Path) -> None:
     controls = [r["pass1_end"] - r["pass1_start"] for r in runs if r["arm"] == "fp32_control"
                 and r["steps"] == r["steps_planned"] and r["pass1_end"] is not None]
     if controls:
-        ax_acc.axhspan(min(controls), max(controls), color="tab:gray", alpha=0.25, lw=0,
+        ax_acc.axhspan(min(controls), max(controls), color="tab:orange", alpha=0.5, lw=0, zorder=3,
                        label=f"fp32 control, {len(controls)} seed(s): min-max")
         ax_acc.legend(loc="lower left", fontsize=8)
     if control is not None:
@@ -211,6 +212,7 @@ def figure(runs: list[dict], path: Path) -> None:
     ax_acc.set_ylabel("held-out pass@1 gain (fp32 evaluator)")
     ax_acc.set_title("what training did at each rung (seed 0)")
     for ax in (ax_k3, ax_acc):
+        ax.set_xlim(-0.6, len(order) - 0.4)
         ax.set_xticks(list(x), [f"{r}\n(control)" if r == "fp32" else r for r in order])
         ax.set_xlabel("rollout precision, ordered by measured mismatch")
     setups = sorted({ladder[r]["setup"] for r in order})
@@ -258,6 +260,41 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def dynamics_figure(root: Path, runs: list[dict], path: Path) -> None:
+    """One question: does the mismatch grow before the uncorrected run collapses? Per rung (seed 0), the
+    per-step k3 of the rollout against the fp32 trainer (25-step rolling median) along training, with the
+    collapse step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ladder, _ = ladder_rows(runs)
+    rungs = [r for r in mismatch_order(ladder) if r != "fp32"]
+    if not rungs:
+        return
+    fig, ax = plt.subplots(figsize=(8.5, 4.4))
+    colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(rungs)))
+    for rung, colour in zip(rungs, colours):
+        name = "baseline" if rung == "bf16" else f"baseline+rollout.dtype={rung}"
+        rows = [r for r in read_metrics(root / EXPERIMENT / name / "seed0" / "metrics.jsonl") if "mismatch/k3" in r]
+        k3 = np.array([r["mismatch/k3"] for r in rows])
+        smooth = [np.median(k3[max(0, i - 24): i + 1]) for i in range(len(k3))]
+        ax.semilogy([r["step"] for r in rows], smooth, color=colour, label=rung)
+        if ladder[rung]["collapse_step"] is not None:
+            ax.axvline(ladder[rung]["collapse_step"], color=colour, ls=":", lw=1)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("k3 of the rollout vs the fp32 trainer (25-step rolling median)")
+    ax.set_title("Does the mismatch grow before the uncorrected run collapses? (seed 0 per rung;\n"
+                 "dotted: collapse step; the fp32 control's k3 is 0 up to round-off)", fontsize=10)
+    ax.legend(title="rollout", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def pilot_rows(dirs: list[Path]) -> str:
     """The regime pilots (fp32 control under other learning rates and batch shapes): one row each, from
     the archived metrics (``metrics.jsonl.gz``) and config of every directory given."""
@@ -289,6 +326,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/07_dose_threshold")
     ap.add_argument("--figure", default="results/figures/07_dose_ladder.png")
     ap.add_argument("--mitigation-figure", default="results/figures/07_mitigations.png")
+    ap.add_argument("--dynamics-figure", default="results/figures/07_mismatch_before_collapse.png")
     ap.add_argument("--results", default="results/RESULTS.md",
                     help="the section of this experiment in this file is rewritten ('' leaves it alone)")
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
@@ -307,6 +345,7 @@ def main() -> None:
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table}, indent=1, default=str) + "\n")
     figure(runs, Path(args.figure))
     mitigation_figure(table, Path(args.mitigation_figure))
+    dynamics_figure(Path(args.runs), runs, Path(args.dynamics_figure))
     if args.results:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",
@@ -314,7 +353,8 @@ def main() -> None:
             "(rules: `src/moerl/dose.py`, `src/moerl/verdicts.py`; regime and commands: "
             "`experiments/07_dose_threshold/README.md`). Held-out pass@1 is measured by the trained policy in fp32 "
             "for every arm; rollouts use the emulated kernels.", "", text,
-            "![dose ladder](figures/07_dose_ladder.png)", ""]
+            "![dose ladder](figures/07_dose_ladder.png)", "",
+            "![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""]
             + (["![mitigations](figures/07_mitigations.png)", ""] if table else [])))
     print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}"
           + (f", {args.mitigation_figure}" if table else ""))

@@ -42,7 +42,8 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
         write_run(runs, "baseline", rung, 0, 0.6, k3)
     out, fig = tmp_path / "out", tmp_path / "fig.png"
     monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(out), "--figure", str(fig),
-                                     "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md")])
+                                     "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md"),
+                                     "--dynamics-figure", str(tmp_path / "dyn.png")])
     report.main()
     text = (out / "ladder.md").read_text()
     assert "seed 0: pass@1 0.550 → 0.680 at step 60 (learns by the rule)" in text
@@ -54,6 +55,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"
     assert "| r3 | [0, 1, 2] | 0 (—) |" in text
     assert fig.exists() and fig.stat().st_size > 10_000 and (tmp_path / "mit.png").stat().st_size > 10_000
+    assert (tmp_path / "dyn.png").stat().st_size > 10_000
     results = (tmp_path / "R.md").read_text()
     assert "<!-- experiment 07: begin (experiments/07_dose_threshold/report.py) -->" in results
     assert "| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | the uncorrected run collapses from rung int4" in results

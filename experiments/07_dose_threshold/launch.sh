@@ -25,7 +25,7 @@ case "${1:-}" in
     [[ $# -ge 2 ]] || { echo "usage: launch.sh main RUNG [BELOW]" >&2; exit 2; }
     sweep --arms fp32_control --seeds 3
     for rung in "${@:2}"; do
-      sweep --arms baseline,tis,mis,icepop,r3,r3_tis --seeds 3 "rollout.dtype=$rung"
+      sweep --arms baseline,r3,tis,r3_tis,icepop,mis --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
     done ;;
   *) echo "usage: launch.sh pilot | control | main RUNG [BELOW]" >&2; exit 2 ;;
 esac

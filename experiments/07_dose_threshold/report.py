@@ -260,7 +260,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def dynamics_figure(root: Path, runs: list[dict], path: Path) -> None:
+def dynamics_figure(runs: list[dict], path: Path) -> None:
     """One question: does the mismatch grow before the uncorrected run collapses? Per rung (seed 0), the
     per-step k3 of the rollout against the fp32 trainer (25-step rolling median) along training, with the
     collapse step marked."""
@@ -277,8 +277,7 @@ def dynamics_figure(root: Path, runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(rungs)))
     for rung, colour in zip(rungs, colours):
-        name = "baseline" if rung == "bf16" else f"baseline+rollout.dtype={rung}"
-        rows = [r for r in read_metrics(root / EXPERIMENT / name / "seed0" / "metrics.jsonl") if "mismatch/k3" in r]
+        rows = [r for r in read_metrics(Path(ladder[rung]["run_dir"]) / "metrics.jsonl") if "mismatch/k3" in r]
         k3 = np.array([r["mismatch/k3"] for r in rows])
         smooth = [np.median(k3[max(0, i - 24): i + 1]) for i in range(len(k3))]
         ax.semilogy([r["step"] for r in rows], smooth, color=colour, label=rung)
@@ -345,7 +344,7 @@ def main() -> None:
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table}, indent=1, default=str) + "\n")
     figure(runs, Path(args.figure))
     mitigation_figure(table, Path(args.mitigation_figure))
-    dynamics_figure(Path(args.runs), runs, Path(args.dynamics_figure))
+    dynamics_figure(runs, Path(args.dynamics_figure))
     if args.results:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",

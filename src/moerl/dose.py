@@ -96,7 +96,7 @@ def load_runs(root: str | Path) -> list[dict]:
                      f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
                      f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
             runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
-                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, **summary})
+                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, "run_dir": str(run), **summary})
     return runs
 
 

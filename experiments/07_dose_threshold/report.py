@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.dose import (EXPERIMENT, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
+from moerl.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
                         RUNGS, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
 from moerl.results import write_marked_section  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
@@ -97,6 +97,12 @@ def grid(runs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _provisional(verdict: dict) -> str:
+    """A note on a verdict drawn from fewer seeds than the grid's 3 (the grid is still recording)."""
+    n = len(verdict["seeds"])
+    return "" if n >= GRID_SEEDS else f" — provisional: {n} of {GRID_SEEDS} seeds"
+
+
 def _interval(values: dict[int, float]) -> str:
     v = list(values.values())
     if not v:
@@ -117,7 +123,7 @@ def grid_markdown(table: dict[str, dict]) -> str:
         for arm, v in g["arms"].items():
             acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
             kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
-            lines.append(f"| {arm} | {v['seeds']} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
+            lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
                          f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
                          f"{v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
         r3 = g["r3_reduces_mismatch"]
@@ -158,18 +164,19 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"final pass@1 − control {_interval(r3['minus_control'])}, − baseline "
                          f"{_interval(r3['minus_baseline'])}; collapsed {r3['collapsed']} of {len(r3['seeds'])} "
                          f"(baseline {g['baseline_collapsed']}) | **{r3['like_control']}** (helps: {r3['helps']}; "
-                         f"prevents collapse: {r3['prevents_collapse']}) |")
+                         f"prevents collapse: {r3['prevents_collapse']}){_provisional(r3)} |")
         if g.get("r3_reduces_mismatch"):
             m = g["r3_reduces_mismatch"]
             ratios = ", ".join(f"{x:.2f}" for x in m["k3_ratio"].values())
             lines.append(f"| R3 reduces the mismatch without shrinking the effective sample set (rung {rung}) | "
                          f"Mind Lab R3 blog | R3 / baseline k3 per seed {ratios}; tokens keeping a gradient R3 − "
-                         f"baseline {_interval(m['effective_minus_baseline'])} | **{m['verdict']}** |")
+                         f"baseline {_interval(m['effective_minus_baseline'])} | **{m['verdict']}**"
+                         f"{_provisional({'seeds': list(m['k3_ratio'])})} |")
         if tis:
             lines.append(f"| token TIS (cap 2) lets a low-precision rollout train like a full-precision one (rung "
                          f"{rung}) | FlashRL (Liu, Yao et al., 2025) | final pass@1 − fp32 control "
                          f"{_interval(tis['minus_control'])}; truncated share per seed "
-                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}** |")
+                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}**{_provisional(tis)} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")
@@ -247,7 +254,8 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
                 ax.hlines(sum(ys) / len(ys), i - 0.25, i + 0.25, color="k", lw=1)
         ax.axhline(0, color="k", lw=0.6)
         ax.axhspan(-MATCH_MARGIN, 0, color="tab:gray", alpha=0.2, lw=0, label=f"within {MATCH_MARGIN} of the control")
-        ax.set_xticks(range(len(names)), names, rotation=30)
+        counts = [len(baseline) if n == "baseline" else len(g["arms"][n]["minus_control"]) for n in names]
+        ax.set_xticks(range(len(names)), [f"{n}\n{c} seed(s)" for n, c in zip(names, counts)])
         ax.set_title(f"rollout {rung}")
         ax.legend(loc="lower right", fontsize=8)
     axes[0][0].set_ylabel("final held-out pass@1 − control's (same seed)")

@@ -39,6 +39,7 @@ EXPERIMENT = "07_dose_threshold"
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
 CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
+GRID_SEEDS = 3  # seeds per arm and rung in the main grid
 MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis")  # the main grid's arms besides baseline and control
 # What each mitigation acts on, per run (run mean of a per-step share of response tokens): TIS truncates
 # weights, MIS / IcePop zero them, R3 replaces the trainer's experts where they differ from the rollout's.

@@ -26,6 +26,7 @@ moerl.verdicts' rules (:func:`mitigation_verdicts`):
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,8 @@ def load_runs(root: str | Path) -> list[dict]:
     runs = []
     for metrics in sorted((Path(root) / EXPERIMENT).glob("*/seed*/metrics.jsonl")):
         run = metrics.parent
+        if not re.fullmatch(r"seed\d+", run.name):  # e.g. seed1.old-<time>, set aside by run.py --fresh
+            continue
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         summary = run_summary(read_metrics(metrics))
         if summary["steps"]:

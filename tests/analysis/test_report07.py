@@ -3,9 +3,11 @@ learning test per seed, and the main grid's paired verdicts land in ladder.md / 
 figure is drawn."""
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,12 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
         write_run(runs, "r3", "int4", seed, r3, 8e-3)
     for rung, k3 in (("bf16", 6e-4), ("int8", 3e-3), ("fp8", 2.5e-3), ("nvfp4", 1.5e-2)):  # the rest of the ladder
         write_run(runs, "baseline", rung, 0, 0.6, k3)
+    # A finished-looking run that run.py --fresh set aside must not count as seed 0.
+    tis0 = runs / "07_dose_threshold" / "tis+rollout.dtype=int4" / "seed0"
+    shutil.rmtree(tis0)
+    write_run(runs, "tis", "int4", 0, 0.10, 2e-2)
+    tis0.rename(tis0.with_name("seed0.old-20261125-053753"))
+    write_run(runs, "tis", "int4", 0, 0.60, 2e-2)
     out, fig = tmp_path / "out", tmp_path / "fig.png"
     monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(out), "--figure", str(fig),
                                      "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md"),
@@ -50,6 +58,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert "Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control learns): **int4**" in text
     grid = json.loads((out / "ladder.json").read_text())["grid"]["int4"]
     # tis beats the baseline in seeds 0 and 1 but not in seed 2: inconclusive; r3 beats it in all three
+    assert grid["arms"]["tis"]["minus_baseline"]["0"] == pytest.approx(0.60 - 0.40)
     assert grid["arms"]["tis"]["helps"] == "inconclusive" and grid["arms"]["r3"]["helps"] == "yes"
     assert grid["arms"]["r3"]["like_control"] == "yes" and grid["arms"]["r3"]["prevents_collapse"] == "yes"
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"

@@ -42,10 +42,12 @@ def test_threshold_is_the_lowest_collapsing_rung_in_mismatch_order():
     assert threshold(ladder, run_summary(rows(LEARNS, pass1=(0.3, 0.31)))) is None
 
 
-def summaries(pass1_ends, collapse=(), acts=0.05, key="is/truncated_frac", k3=1e-3, effective=0.99, start=0.55):
+def summaries(pass1_ends, collapse=(), acts=0.05, key="is/outside_band_frac", k3=1e-3, effective=0.99, start=0.55,
+              truncated=None):
     """seed -> a crafted run_summary with the given final pass@1 (collapsed seeds listed in ``collapse``)."""
     return {s: {"pass1_start": start, "pass1_end": end, "collapse_step": 120 if s in collapse else None,
-                "acts_on": {key: acts}, "k3_median": k3, "effective_token_frac": effective}
+                "acts_on": {key: acts, **({} if truncated is None else {"is/truncated_frac": truncated})},
+                "k3_median": k3, "effective_token_frac": effective}
             for s, end in enumerate(pass1_ends)}
 
 
@@ -69,7 +71,7 @@ def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30])
-    # TIS truncated 0.2 % of tokens in every seed: it hardly acted.
+    # TIS reweighted (ρ outside [1/2, 2]) 0.2 % of tokens in every seed: it hardly acted.
     v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62], acts=0.002), baseline, control)
     assert v["acted"] is False and v["helps"] == v["like_control"] == "not tested"
     # The baseline kept up with the control in one seed: nothing attributable to the mismatch.
@@ -79,6 +81,22 @@ def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():
     v = mitigation_verdicts("r3", summaries([0.64, 0.66, 0.62], key="routing/any_layer_differs", acts=0.3),
                             baseline, control)
     assert v["acted"] is True and v["prevents_collapse"] == "not tested" and v["helps"] == "yes"
+
+
+def test_tis_verdicts_under_the_amended_and_the_preregistered_acted_on_rule():
+    from moerl.dose import mitigation_verdicts
+
+    control = summaries([0.66, 0.67, 0.65])
+    baseline = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
+    # 1.2 % of tokens reweighted by a factor of 2 or more, of which 0.2 % capped (truncated).
+    v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62], acts=0.012, truncated=0.002), baseline, control)
+    assert v["acted_measure"] == "is/outside_band_frac" and v["acted"] is True and v["helps"] == "yes"
+    pre = v["preregistered"]
+    assert pre["acted_measure"] == "is/truncated_frac" and pre["acted_frac"] == [0.002] * 3
+    assert pre["acted"] is False and pre["helps"] == pre["like_control"] == pre["prevents_collapse"] == "not tested"
+    # Arms whose rule was not amended carry no second set of verdicts.
+    r3 = mitigation_verdicts("r3", summaries([0.6] * 3, key="routing/any_layer_differs", acts=0.3), baseline, control)
+    assert "preregistered" not in r3
 
 
 def test_r3_reduces_mismatch_needs_both_halves():
@@ -97,7 +115,8 @@ def test_run_summary_carries_what_each_mitigation_acted_on():
     rs = rows(LEARNS)
     for r in rs:
         if "reward/mean" in r:
-            r.update({"is/truncated_frac": 0.02, "mask/token_frac": 0.0, "routing/any_layer_differs": 0.3})
+            r.update({"is/truncated_frac": 0.02, "is/above_frac": 0.02, "is/below_frac": 0.03,
+                      "mask/token_frac": 0.0, "routing/any_layer_differs": 0.3})
     s = run_summary(rs)
-    assert s["acts_on"] == pytest.approx({"is/truncated_frac": 0.02, "mask/token_frac": 0.0,
-                                          "routing/any_layer_differs": 0.3})
+    assert s["acts_on"] == pytest.approx({"is/truncated_frac": 0.02, "is/outside_band_frac": 0.05,
+                                          "mask/token_frac": 0.0, "routing/any_layer_differs": 0.3})

@@ -110,6 +110,17 @@ def _interval(values: dict[int, float]) -> str:
     return f"{sum(v) / len(v):+.3f} [{min(v):+.3f}, {max(v):+.3f}]"
 
 
+def _preregistered_note(arm: str, v: dict) -> str:
+    """The verdicts of an arm whose "acted on" measure was amended after the grid started, under the
+    measure committed before it (moerl.dose.ACTS_ON_PREREGISTERED)."""
+    pre = v["preregistered"]
+    return (f"{arm}: \"acted on\" is `{v['acted_measure']}` (amended after the grid started; see moerl.dose). "
+            f"Under the pre-registered measure `{pre['acted_measure']}` "
+            f"({', '.join(fmt(a) for a in pre['acted_frac']) or '—'} per seed) the verdicts read: helps "
+            f"{pre['helps']}, trains like the control {pre['like_control']}, prevents collapse "
+            f"{pre['prevents_collapse']}.")
+
+
 def grid_markdown(table: dict[str, dict]) -> str:
     if not table:
         return "\nMain grid: not run yet.\n"
@@ -126,6 +137,9 @@ def grid_markdown(table: dict[str, dict]) -> str:
             lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
                          f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
                          f"{v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
+        for arm, v in g["arms"].items():
+            if "preregistered" in v:
+                lines += ["", _preregistered_note(arm, v)]
         r3 = g["r3_reduces_mismatch"]
         if r3:
             ratios = ", ".join(f"{x:.2f}" for x in r3["k3_ratio"].values())
@@ -173,10 +187,14 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"baseline {_interval(m['effective_minus_baseline'])} | **{m['verdict']}**"
                          f"{_provisional({'seeds': list(m['k3_ratio'])})} |")
         if tis:
+            pre = tis.get("preregistered")
+            pre_note = (f" (pre-registered measure, truncated share {', '.join(fmt(a) for a in pre['acted_frac'])}: "
+                        f"{pre['like_control']})" if pre else "")
             lines.append(f"| token TIS (cap 2) lets a low-precision rollout train like a full-precision one (rung "
                          f"{rung}) | FlashRL (Liu, Yao et al., 2025) | final pass@1 − fp32 control "
-                         f"{_interval(tis['minus_control'])}; truncated share per seed "
-                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}**{_provisional(tis)} |")
+                         f"{_interval(tis['minus_control'])}; share of tokens with ρ outside [1/2, 2] per seed "
+                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}**{pre_note}"
+                         f"{_provisional(tis)} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")

@@ -21,8 +21,15 @@ moerl.verdicts' rules (:func:`mitigation_verdicts`):
 - **prevents collapse** (only where the baseline collapsed in some seed): no collapsed seed -> yes,
   as many as the baseline -> no, fewer -> partly;
 - both gated to *not tested* when the arm acted on < 1 % of tokens in every seed (``ACTS_ON``: TIS
-  truncated, MIS / IcePop masked, R3 replayed a different expert set somewhere in the token's stack)
-  or when the baseline did not fall behind the control in every paired seed (nothing to mitigate).
+  reweighted by a factor of 2 or more, MIS / IcePop masked, R3 replayed a different expert set
+  somewhere in the token's stack) or when the baseline did not fall behind the control in every paired
+  seed (nothing to mitigate).
+
+One rule was amended after the grid started (``ACTS_ON_PREREGISTERED`` keeps the original, and the
+verdicts under it are reported beside the amended ones): TIS's "acted on" was its *truncated* share
+(ρ > C). Token TIS multiplies every token's gradient by min(ρ, C), so it acts as much on the tokens it
+scales down as on those it caps; the amended measure counts both tails symmetrically, ρ outside
+[1/C, C] (``is/below_frac`` + ``is/above_frac``, logged by every run since before the grid).
 """
 from __future__ import annotations
 
@@ -44,12 +51,19 @@ GRID_SEEDS = 3  # seeds per arm and rung in the main grid
 MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis")  # the main grid's arms besides baseline and control
 # What each mitigation acts on, per run (run mean of a per-step share of response tokens): TIS truncates
 # weights, MIS / IcePop zero them, R3 replaces the trainer's experts where they differ from the rollout's.
-ACTS_ON = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "icepop": "mask/token_frac",
-           "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
+ACTS_ON_PREREGISTERED = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "icepop": "mask/token_frac",
+                         "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
+# TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).
+TIS_REWEIGHTED = "is/outside_band_frac"
+ACTS_ON = {**ACTS_ON_PREREGISTERED, "tis": TIS_REWEIGHTED}
 MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 within 0.05 (half the control's required gain)
 
 
 def _values(rows: list[dict], key: str) -> np.ndarray:
+    if key == TIS_REWEIGHTED:  # derived per step from the two tails every run logs
+        return np.array([r["is/below_frac"] + r["is/above_frac"] for r in rows
+                         if isinstance(r.get("is/below_frac"), (int, float))
+                         and isinstance(r.get("is/above_frac"), (int, float))], dtype=float)
     return np.array([r[key] for r in rows if isinstance(r.get(key), (int, float))], dtype=float)
 
 
@@ -78,7 +92,7 @@ def run_summary(rows: list[dict]) -> dict:
             "grad_norm_median": float(np.nanmedian(grad)) if grad.size else None,
             "grad_norm_max": float(np.nanmax(grad)) if grad.size else None,
             "effective_token_frac": median("effective/token_frac"),
-            "acts_on": {key: mean(key) for key in set(ACTS_ON.values())},
+            "acts_on": {key: mean(key) for key in set(ACTS_ON.values()) | set(ACTS_ON_PREREGISTERED.values())},
             "reward_first": float(reward[:REWARD_WINDOW].mean()), "reward_last": float(reward[-REWARD_WINDOW:].mean()),
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),
@@ -142,14 +156,23 @@ def _gain(runs: dict[int, dict]) -> dict[int, float]:
             if r.get("pass1_end") is not None and r.get("pass1_start") is not None}
 
 
+def _acted(arm: str, runs: dict[int, dict], rule: dict[str, str]) -> tuple[list[float], bool | None]:
+    """Per-seed share of tokens the arm acted on under ``rule`` (ACTS_ON or ACTS_ON_PREREGISTERED), and
+    whether it reached the floor in some seed (None: the arm has no such measure)."""
+    if arm not in rule:
+        return [], None
+    fracs = [r["acts_on"].get(rule[arm]) for r in runs.values() if "acts_on" in r]
+    fracs = [f for f in fracs if f is not None]
+    return fracs, acts_on(fracs)
+
+
 def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dict],
                         control: dict[int, dict]) -> dict:
     """One mitigation arm at one rung (each argument: seed -> run_summary): its paired statistics and
-    verdicts by the rules in the module docstring."""
+    verdicts by the rules in the module docstring. Where an arm's "acted on" rule was amended, the
+    verdicts under the pre-registered rule come along under ``preregistered``."""
     over_baseline = _paired(runs, baseline, "pass1_end")
     over_control = _paired(runs, control, "pass1_end")
-    acted_fracs = [r["acts_on"].get(ACTS_ON[arm]) for r in runs.values() if ACTS_ON.get(arm) and "acts_on" in r]
-    acted = acts_on(acted_fracs) if arm in ACTS_ON else None
     # Nothing to mitigate unless the baseline fell behind the control (lower gain) in every paired seed.
     effect = beyond_control(_gain(baseline), _gain(control), worse="lower")
     collapsed = [s for s, r in runs.items() if r.get("collapse_step") is not None]
@@ -160,17 +183,25 @@ def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dic
         prevents = YES
     else:
         prevents = NO if len(collapsed) >= len(base_collapsed) else PARTLY
-    return {
+
+    def verdicts(rule: dict[str, str]) -> dict:
+        fracs, acted = _acted(arm, runs, rule)
+        return {"acted_measure": rule.get(arm), "acted_frac": fracs, "acted": acted,
+                "helps": gate(by_threshold(over_baseline.values(), 0.0), acted, effect),
+                "like_control": gate(by_threshold(over_control.values(), -MATCH_MARGIN), acted, effect),
+                "prevents_collapse": gate(prevents, acted, effect)}
+
+    out = {
         "arm": arm, "seeds": sorted(runs),
         "collapsed": len(collapsed), "collapse_steps": [runs[s]["collapse_step"] for s in collapsed],
         "pass1_end": {s: r.get("pass1_end") for s, r in runs.items()},
         "minus_baseline": over_baseline, "minus_control": over_control,
         "effective_token_frac": {s: r.get("effective_token_frac") for s, r in runs.items()},
-        "acted_frac": acted_fracs, "acted": acted, "baseline_behind_control": effect,
-        "helps": gate(by_threshold(over_baseline.values(), 0.0), acted, effect),
-        "like_control": gate(by_threshold(over_control.values(), -MATCH_MARGIN), acted, effect),
-        "prevents_collapse": gate(prevents, acted, effect),
+        "baseline_behind_control": effect, **verdicts(ACTS_ON),
     }
+    if ACTS_ON.get(arm) != ACTS_ON_PREREGISTERED.get(arm):
+        out["preregistered"] = verdicts(ACTS_ON_PREREGISTERED)
+    return out
 
 
 def r3_reduces_mismatch(r3: dict[int, dict], baseline: dict[int, dict]) -> dict:

@@ -27,7 +27,10 @@ def write_run(root, arm, rung, seed, pass1_end, k3, extra=None, collapse=False, 
         reward = 0.02 if collapse and i > steps // 2 else 0.5
         rows.append({"step": i + 1, "reward/mean": reward, "mismatch/k3": k3, "grad_norm": 0.5,
                      "effective/token_frac": 0.99, "routing/any_layer_differs": 0.3 if arm.startswith("r3") else 0.0,
-                     "is/truncated_frac": 0.03 if arm.endswith("tis") else 0.0, **(extra or {})})
+                     # TIS caps few tokens but scales down more: 2.3 % of tokens have ρ outside [1/2, 2].
+                     "is/truncated_frac": 0.003 if arm.endswith("tis") else 0.0,
+                     "is/above_frac": 0.003 if arm.endswith("tis") else 0.0,
+                     "is/below_frac": 0.02 if arm.endswith("tis") else 0.0, **(extra or {})})
     rows.append({"step": steps, "eval/pass1": pass1_end})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -60,6 +63,9 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     # tis beats the baseline in seeds 0 and 1 but not in seed 2: inconclusive; r3 beats it in all three
     assert grid["arms"]["tis"]["minus_baseline"]["0"] == pytest.approx(0.60 - 0.40)
     assert grid["arms"]["tis"]["helps"] == "inconclusive" and grid["arms"]["r3"]["helps"] == "yes"
+    # Under the pre-registered "acted on" measure (truncated share, 0.3 %) TIS is not tested; both are reported.
+    assert grid["arms"]["tis"]["preregistered"]["helps"] == "not tested"
+    assert "Under the pre-registered measure `is/truncated_frac` (0.003, 0.003, 0.003 per seed)" in text
     assert grid["arms"]["r3"]["like_control"] == "yes" and grid["arms"]["r3"]["prevents_collapse"] == "yes"
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"
     assert "| r3 | [0, 1, 2] | 0 (—) |" in text

@@ -217,20 +217,26 @@ def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     growth = {arm: [float(late[arm][s] / early[arm][s]) for s in late[arm].index if s in early[arm].index]
               for arm in ("baseline", "tis") if not late.empty and arm in late.index.get_level_values(0)}
     truncated = _arm_values(window_mean(metrics, "is/truncated_frac"), "tis")
+    # What TIS acts on (as in moerl.dose): tokens whose weight min(ρ, C) departs from 1 by a factor of 2
+    # or more either way, ρ outside [1/C, C]; truncation (ρ > C) is only the upper tail.
+    reweighted = _arm_values(window_mean(metrics, "is/above_frac").add(window_mean(metrics, "is/below_frac"),
+                                                                     fill_value=np.nan), "tis")
     parts = [f"median k3, last vs first {WINDOW} steps: "
              + ", ".join(f"{arm} {_fmt_ratio(v)}" for arm, v in growth.items())] if growth else []
-    if truncated:
-        parts.append(f"TIS truncated {np.mean(truncated):.2%} of tokens (n={len(truncated)})")
+    if reweighted:
+        parts.append(f"TIS reweighted {np.mean(reweighted):.2%} of tokens by a factor ≥ 2 (ρ outside [1/2, 2]; "
+                     f"truncated {np.mean(truncated):.2%}; n={len(reweighted)})")
     if "baseline" not in growth or "tis" not in growth:
         verdict = verdicts.NOT_TESTED
     else:
         drift = verdicts.by_threshold(growth["baseline"], 1.2)
         verdict = verdicts.gate(verdicts.by_threshold(growth["tis"], 1.2),
-                                acted=verdicts.acts_on(truncated) if truncated else None,
+                                acted=verdicts.acts_on(reweighted) if reweighted else None,
                                 effect_present=drift == verdicts.YES)
     return Claim("TIS does not stop the drift", "Mind Lab R3 blog", "k3 keeps growing under TIS",
                  "; ".join(parts) or "n/a", verdict,
-                 f"not tested: TIS truncates < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed, or the baseline's "
+                 f"not tested: TIS reweights (ρ outside [1/2, 2]) < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed, "
+                 "or the baseline's "
                  "k3 does not grow > 1.2× from the first to the last steps in every seed; else yes: TIS's grows "
                  "> 1.2× in every seed; no: in none; inconclusive: the seeds disagree")
 

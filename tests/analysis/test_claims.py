@@ -63,6 +63,24 @@ def test_masking_and_tis_verdicts():
     assert tis.verdict == "not tested" and "baseline 1×" in tis.repo
 
 
+def test_tis_acts_on_tokens_it_scales_down_as_well_as_those_it_caps():
+    drifting = dict(k3=lambda step: 1e-3 * (1 + step / 20))  # the baseline's k3 grows 7x along the run
+    rows = [r for arm, kw in {"baseline": drifting, "tis": {}}.items() for seed in range(3)
+            for r in run_rows(arm, seed, **kw)]
+    metrics = pd.DataFrame(rows)
+    metrics["mismatch/k3"] = [r["mismatch/k3"](r["step"]) if callable(r["mismatch/k3"]) else r["mismatch/k3"]
+                              for r in rows]
+    runs = pd.DataFrame([{"arm": a, "seed": s} for a in ("baseline", "tis") for s in range(3)])
+    tis = metrics["arm"] == "tis"
+    # 0.2 % of tokens capped (rho > 2) but 2 % scaled down by more than half (rho < 1/2): TIS acted.
+    metrics.loc[tis, "is/truncated_frac"], metrics.loc[tis, "is/above_frac"] = 0.002, 0.002
+    metrics.loc[tis, "is/below_frac"] = 0.02
+    acted = claims.claim_tis(metrics, runs)
+    assert acted.verdict == "no" and "reweighted 2.20% of tokens" in acted.repo  # TIS's k3 stays flat
+    metrics.loc[tis, "is/below_frac"] = 0.001  # both tails together under 1 %: not tested
+    assert claims.claim_tis(metrics, runs).verdict == "not tested"
+
+
 def test_unfinished_runs_are_left_out():
     metrics, runs = frames({"baseline": dict(collapse_at=60), "r3": {}, "fp32_rollout": {}})
     partial = runs[~((runs["arm"] == "baseline") & (runs["seed"] > 0))]

@@ -120,3 +120,20 @@ def test_run_summary_carries_what_each_mitigation_acted_on():
     s = run_summary(rs)
     assert s["acts_on"] == pytest.approx({"is/truncated_frac": 0.02, "is/outside_band_frac": 0.05,
                                           "mask/token_frac": 0.0, "routing/any_layer_differs": 0.3})
+
+
+def test_a_mitigations_threshold_and_how_it_moves_the_baselines():
+    from moerl.dose import arm_threshold, threshold_shift
+
+    order = ["fp8", "nvfp4"]
+    baseline = arm_threshold({"fp8": (0, 3), "nvfp4": (3, 3)}, order)
+    assert baseline["rung"] == "nvfp4"
+    never = arm_threshold({"fp8": (0, 3), "nvfp4": (0, 3)}, order)
+    assert (never["rung"], never["above"]) == (None, "nvfp4")
+    assert threshold_shift(never, baseline, order) == "raised above nvfp4"
+    # One collapsed seed of three is enough to place the threshold at that rung.
+    assert threshold_shift(arm_threshold({"fp8": (0, 3), "nvfp4": (1, 3)}, order), baseline, order) == "unchanged"
+    assert threshold_shift(arm_threshold({"fp8": (1, 3), "nvfp4": (3, 3)}, order), baseline, order) == "lower"
+    # Not yet run at fp8, or a baseline that never collapsed: nothing to compare.
+    assert threshold_shift(arm_threshold({"nvfp4": (0, 2)}, order), baseline, order) == "not tested"
+    assert threshold_shift(never, never, order) == "not tested"

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
-                        RUNGS, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary, threshold)
+                        RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
+                        threshold, threshold_shift)
 from moerl.results import write_marked_section  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
 
@@ -95,6 +96,87 @@ def grid(runs: list[dict]) -> dict[str, dict]:
                      "baseline_collapsed": sum(r.get("collapse_step") is not None for r in baseline.values()),
                      "r3_reduces_mismatch": r3_reduces_mismatch(r3, baseline) if r3 and baseline else None}
     return out
+
+
+def thresholds(runs: list[dict], table: dict[str, dict]) -> dict:
+    """Per arm, over the main grid's rungs (mismatch order): seeds collapsed of seeds finished at each,
+    its threshold (moerl.dose.arm_threshold) and how it moves the baseline's (moerl.dose.threshold_shift)."""
+    ladder, _ = ladder_rows(runs)
+    order = [r for r in mismatch_order(ladder) if r in table] + sorted(r for r in table if r not in ladder)
+    arms = ["baseline", *[a for a in MITIGATIONS if any(a in table[r]["arms"] for r in order)]]
+    control = by_seed(runs, "fp32_control")
+    out = {"rungs": order, "arms": {},
+           "control": (sum(r.get("collapse_step") is not None for r in control.values()), len(control))}
+    for arm in arms:
+        seeds = {rung: by_seed(runs, arm, rung) for rung in order}
+        collapsed = {rung: (sum(r.get("collapse_step") is not None for r in s.values()), len(s)) for rung, s in seeds.items()}
+        steps = {rung: [r["collapse_step"] for r in s.values() if r.get("collapse_step") is not None]
+                 for rung, s in seeds.items()}
+        out["arms"][arm] = {"collapsed": collapsed, "collapse_steps": steps, "threshold": arm_threshold(collapsed, order)}
+    base = out["arms"]["baseline"]["threshold"]
+    for arm, v in out["arms"].items():
+        if arm != "baseline":
+            v["shift"] = threshold_shift(v["threshold"], base, order)
+    return out
+
+
+def thresholds_markdown(t: dict) -> str:
+    if not t["rungs"]:
+        return ""
+    lines = ["\nWhere each arm collapses (main-grid rungs in mismatch order; seeds collapsed / finished, mean step "
+             "to collapse; an arm's threshold is the lowest rung with a collapsed seed):\n",
+             "| arm | " + " | ".join(t["rungs"]) + " | threshold | vs the baseline's |",
+             "|---|" + "---|" * (len(t["rungs"]) + 2)]
+    for arm, v in t["arms"].items():
+        cells = []
+        for rung in t["rungs"]:
+            k, n = v["collapsed"][rung]
+            steps = v["collapse_steps"][rung]
+            cells.append("not run" if not n else f"{k}/{n}" + (f" (step {sum(steps) / len(steps):.0f})" if steps else ""))
+        th = v["threshold"]
+        where = th["rung"] or (f"above {th['above']}" if th["above"] else "—")
+        seeds = min(n for _, n in v["collapsed"].values())
+        note = f" — provisional: {seeds} of {GRID_SEEDS} seeds" if seeds < GRID_SEEDS else ""
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {where} | {v.get('shift', '—')}{note} |")
+    lines.append(f"\nThe fp32 control (no mismatch): {t['control'][0]} of {t['control'][1]} seeds collapsed.")
+    return "\n".join(lines) + "\n"
+
+
+def thresholds_figure(t: dict, path: Path) -> None:
+    """One question: at which rung does each arm collapse? Cells: seeds collapsed / finished, shaded by
+    the share; each row's label carries the arm's threshold and how it moves the baseline's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not t["rungs"]:
+        return
+    arms, rungs = list(t["arms"]), t["rungs"]
+    fig, ax = plt.subplots(figsize=(max(7.6, 4.6 + 1.8 * len(rungs)), 0.62 * len(arms) + 1.9))
+    share = [[(lambda k, n: k / n if n else float("nan"))(*t["arms"][a]["collapsed"][r]) for r in rungs] for a in arms]
+    ax.imshow(share, cmap="Reds", vmin=0, vmax=1, aspect="auto")
+    for i, arm in enumerate(arms):
+        for j, rung in enumerate(rungs):
+            k, n = t["arms"][arm]["collapsed"][rung]
+            steps = t["arms"][arm]["collapse_steps"][rung]
+            label = "not run" if not n else f"{k}/{n} collapsed" + (f"\nmean step {sum(steps) / len(steps):.0f}" if steps else "")
+            ax.text(j, i, label, ha="center", va="center", fontsize=9, color="white" if n and k / n > 0.6 else "black")
+
+    def row_label(arm: str) -> str:
+        v = t["arms"][arm]
+        where = v["threshold"]["rung"] or (f"above {v['threshold']['above']}" if v["threshold"]["above"] else "—")
+        return f"{arm}\nthreshold: {where}" + (f"\n({v['shift']})" if "shift" in v else "")
+
+    ax.set_yticks(range(len(arms)), [row_label(a) for a in arms], fontsize=8)
+    ax.set_xticks(range(len(rungs)), [f"rollout {r}" for r in rungs])
+    ax.set_xlabel("main-grid rung, ordered by measured mismatch")
+    ax.set_title(f"Experiment 07: at which rung does each arm collapse?\n(threshold: lowest rung with a collapsed "
+                 f"seed; fp32 control: {t['control'][0]}/{t['control'][1]} collapsed)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _provisional(verdict: dict) -> str:
@@ -352,6 +434,7 @@ def main() -> None:
     ap.add_argument("--figure", default="results/figures/07_dose_ladder.png")
     ap.add_argument("--mitigation-figure", default="results/figures/07_mitigations.png")
     ap.add_argument("--dynamics-figure", default="results/figures/07_mismatch_before_collapse.png")
+    ap.add_argument("--threshold-figure", default="results/figures/07_threshold_by_arm.png")
     ap.add_argument("--results", default="results/RESULTS.md",
                     help="the section of this experiment in this file is rewritten ('' leaves it alone)")
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
@@ -365,12 +448,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = grid(runs)
-    text = markdown(runs) + grid_markdown(table) + "\n" + claims_markdown(runs, table)
+    shifts = thresholds(runs, table)
+    text = markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
     (out / "ladder.md").write_text(text)
-    (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table}, indent=1, default=str) + "\n")
+    (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
+                                                default=str) + "\n")
     figure(runs, Path(args.figure))
     mitigation_figure(table, Path(args.mitigation_figure))
     dynamics_figure(runs, Path(args.dynamics_figure))
+    thresholds_figure(shifts, Path(args.threshold_figure))
     if args.results:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",
@@ -380,9 +466,10 @@ def main() -> None:
             "for every arm; rollouts use the emulated kernels.", "", text,
             "![dose ladder](figures/07_dose_ladder.png)", "",
             "![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""]
-            + (["![mitigations](figures/07_mitigations.png)", ""] if table else [])))
+            + (["![mitigations](figures/07_mitigations.png)", "",
+                "![threshold by arm](figures/07_threshold_by_arm.png)", ""] if table else [])))
     print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}"
-          + (f", {args.mitigation_figure}" if table else ""))
+          + (f", {args.mitigation_figure}, {args.threshold_figure}" if table else ""))
 
 
 if __name__ == "__main__":

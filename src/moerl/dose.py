@@ -204,6 +204,32 @@ def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dic
     return out
 
 
+def arm_threshold(collapsed: dict[str, tuple[int, int]], order: list[str]) -> dict:
+    """One arm's threshold over the rungs it ran (``collapsed``: rung -> (seeds collapsed, seeds finished);
+    ``order``: rungs in mismatch order): the lowest rung where some seed collapsed, as "prevents collapse"
+    counts it. With no collapse it lies above the highest rung run, by an amount the grid cannot say."""
+    ran = [r for r in order if collapsed.get(r, (0, 0))[1]]
+    for rung in ran:
+        if collapsed[rung][0]:
+            return {"rung": rung, "above": None, "rungs": ran}
+    return {"rung": None, "above": ran[-1] if ran else None, "rungs": ran}
+
+
+def threshold_shift(arm: dict, baseline: dict, order: list[str]) -> str:
+    """How a mitigation moves the baseline's threshold (both from :func:`arm_threshold` on the same rungs):
+    'lower' (it collapses where the baseline does not), 'unchanged', 'raised above <rung>' (no collapse up to
+    the highest rung run, where the baseline collapsed), or 'not tested' (the baseline never collapsed, or
+    the two ran on different rungs)."""
+    if baseline["rung"] is None or arm["rungs"] != baseline["rungs"]:
+        return NOT_TESTED
+    if arm["rung"] is None:
+        return f"raised above {arm['above']}"
+    position = order.index
+    if position(arm["rung"]) < position(baseline["rung"]):
+        return "lower"
+    return "unchanged" if arm["rung"] == baseline["rung"] else f"raised to {arm['rung']}"
+
+
 def r3_reduces_mismatch(r3: dict[int, dict], baseline: dict[int, dict]) -> dict:
     """Mind Lab's claim, paired: R3's run-median k3 over the baseline's below 1 in every seed, and its
     share of tokens keeping a gradient not below the baseline's by more than 0.01 in any seed."""

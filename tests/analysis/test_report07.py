@@ -54,7 +54,8 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     out, fig = tmp_path / "out", tmp_path / "fig.png"
     monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(out), "--figure", str(fig),
                                      "--mitigation-figure", str(tmp_path / "mit.png"), "--results", str(tmp_path / "R.md"),
-                                     "--dynamics-figure", str(tmp_path / "dyn.png")])
+                                     "--dynamics-figure", str(tmp_path / "dyn.png"),
+                                         "--threshold-figure", str(tmp_path / "thr.png")])
     report.main()
     text = (out / "ladder.md").read_text()
     assert "seed 0: pass@1 0.550 → 0.680 at step 60 (learns by the rule)" in text
@@ -69,6 +70,9 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert grid["arms"]["r3"]["like_control"] == "yes" and grid["arms"]["r3"]["prevents_collapse"] == "yes"
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"
     assert "| r3 | [0, 1, 2] | 0 (—) |" in text
+    # Where each arm collapses: the baseline in seeds 0 and 2 at int4; R3 and TIS in none.
+    assert "| baseline | 2/3 (step 42) | int4 | — |" in text and "| r3 | 0/3 | above int4 | raised above int4 |" in text
+    assert (tmp_path / "thr.png").stat().st_size > 10_000
     assert fig.exists() and fig.stat().st_size > 10_000 and (tmp_path / "mit.png").stat().st_size > 10_000
     assert (tmp_path / "dyn.png").stat().st_size > 10_000
     results = (tmp_path / "R.md").read_text()

@@ -46,3 +46,35 @@ def test_one_step_at_every_rung(rung, tmp_path):
 def test_one_step_of_every_mitigation(arm, tmp_path):
     m = one_step(tmp_path, arm)
     assert 0 <= m["effective/token_frac"] <= 1
+
+
+def test_reevaluate_control_reproduces_the_recorded_evaluation_first(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import sys
+
+    spec = importlib.util.spec_from_file_location("reevaluate07", ARMS.parent / "reevaluate_control.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = tmp_path / "runs"
+    cfg = load_config(ARMS / "fp32_control.yaml", tiny_overrides_for(tmp_path) + TINY + ["trainer.eval_every=3"])
+    trainer = GRPOTrainer(cfg, runs / "07_dose_threshold" / "fp32_control" / "seed0", progress=False)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    out = tmp_path / "again.json"
+    monkeypatch.setattr(sys, "argv", ["reevaluate_control.py", "--runs", str(runs), "--samples", "3", "--out", str(out)])
+    script.main()  # exits if the restored policy does not give the recorded pass@1 with the recorded samples
+    seed = json.loads(out.read_text())["seeds"]["seed0"]
+    assert seed["step"] == 3 and seed["remeasured"]["completions"] == 3 * 16
+    assert seed["remeasured"]["gain"] == pytest.approx(seed["remeasured"]["end"] - seed["remeasured"]["start"])
+    # The run's log disagrees with what its last checkpoint gives: refused, nothing written.
+    metrics = runs / "07_dose_threshold" / "fp32_control" / "seed0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows[-1]["eval/pass1"] = 0.5
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out.unlink()
+    with pytest.raises(SystemExit, match="not the same policy or evaluator"):
+        script.main()
+    assert not out.exists()

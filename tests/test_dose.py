@@ -137,3 +137,27 @@ def test_a_mitigations_threshold_and_how_it_moves_the_baselines():
     # Not yet run at fp8, or a baseline that never collapsed: nothing to compare.
     assert threshold_shift(arm_threshold({"nvfp4": (0, 2)}, order), baseline, order) == "not tested"
     assert threshold_shift(never, never, order) == "not tested"
+
+
+def test_drift_under_a_mitigation_by_experiment_05s_rule():
+    from moerl.dose import mitigation_verdicts
+
+    control = summaries([0.66, 0.67, 0.65])
+    baseline = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
+    tis = summaries([0.64, 0.66, 0.62], acts=0.012)
+    for s, (b, t) in enumerate([(12.0, 1.4), (14.0, 1.6), (10.0, 1.1)]):
+        baseline[s]["k3_growth"], tis[s]["k3_growth"] = b, t
+    v = mitigation_verdicts("tis", tis, baseline, control)
+    assert v["k3_growth"] == {0: 1.4, 1: 1.6, 2: 1.1} and v["keeps_drifting"] == "inconclusive"
+    tis[2]["k3_growth"] = 1.3
+    assert mitigation_verdicts("tis", tis, baseline, control)["keeps_drifting"] == "yes"
+    baseline[1]["k3_growth"] = 1.1  # one uncorrected seed without drift: nothing to stop
+    assert mitigation_verdicts("tis", tis, baseline, control)["keeps_drifting"] == "not tested"
+
+
+def test_run_summary_measures_the_drift_as_late_over_early_median_k3():
+    rs = rows(LEARNS)
+    train = [r for r in rs if "reward/mean" in r]
+    for i, r in enumerate(train):
+        r["mismatch/k3"] = 1e-3 if i < len(train) // 2 else 3e-3
+    assert run_summary(rs)["k3_growth"] == pytest.approx(3.0)

@@ -25,6 +25,7 @@ from moerl.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, contr
                         RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
                         threshold, threshold_shift)
 from moerl.results import write_marked_section  # noqa: E402
+from moerl.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
 
 
@@ -203,6 +204,10 @@ def _preregistered_note(arm: str, v: dict) -> str:
             f"{pre['prevents_collapse']}.")
 
 
+def _growths(values: dict[int, float | None]) -> str:
+    return ", ".join(f"{g:.3g}×" for g in values.values() if g is not None) or "—"
+
+
 def grid_markdown(table: dict[str, dict]) -> str:
     if not table:
         return "\nMain grid: not run yet.\n"
@@ -211,14 +216,15 @@ def grid_markdown(table: dict[str, dict]) -> str:
         lines += [f"**rung {rung}** — baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), "
                   f"control seeds {g['control_seeds']}", "",
                   "| arm | seeds | collapsed (steps) | final pass@1 − baseline | final pass@1 − control | "
-                  "acted on (share of tokens, per seed) | tokens keeping a gradient | helps | trains like the control "
-                  f"(within {MATCH_MARGIN}) | prevents collapse |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "acted on (share of tokens, per seed) | tokens keeping a gradient | k3 late / early 50 steps | helps | "
+                  f"trains like the control (within {MATCH_MARGIN}) | prevents collapse |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm, v in g["arms"].items():
             acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
             kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
             lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
                          f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
-                         f"{v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
+                         f"{_growths(v['k3_growth'])} | {v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
         for arm, v in g["arms"].items():
             if "preregistered" in v:
                 lines += ["", _preregistered_note(arm, v)]
@@ -277,6 +283,12 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"{_interval(tis['minus_control'])}; share of tokens with ρ outside [1/2, 2] per seed "
                          f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}**{pre_note}"
                          f"{_provisional(tis)} |")
+        if tis:
+            lines.append(f"| TIS does not stop the drift (rung {rung}) | Mind Lab R3 blog | k3 late / early "
+                         f"{EARLY_LATE_WINDOW} steps per seed: baseline {_growths(tis['baseline_k3_growth'])}, TIS "
+                         f"{_growths(tis['k3_growth'])} | **{tis['keeps_drifting']}** (experiment 05's rule, applied "
+                         f"after these runs were read: yes when TIS's k3 grows > {DRIFT_GROWTH}× in every seed, no in "
+                         f"none){_provisional(tis)} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")

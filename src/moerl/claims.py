@@ -23,7 +23,7 @@ import pandas as pd
 from moerl import verdicts
 from moerl.collapse import collapse_step
 
-WINDOW = 50
+WINDOW = verdicts.EARLY_LATE_WINDOW
 EXPERIMENT = "05_mismatch_consequences"
 
 
@@ -229,10 +229,8 @@ def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     if "baseline" not in growth or "tis" not in growth:
         verdict = verdicts.NOT_TESTED
     else:
-        drift = verdicts.by_threshold(growth["baseline"], 1.2)
-        verdict = verdicts.gate(verdicts.by_threshold(growth["tis"], 1.2),
-                                acted=verdicts.acts_on(reweighted) if reweighted else None,
-                                effect_present=drift == verdicts.YES)
+        verdict = verdicts.keeps_drifting(growth["tis"], growth["baseline"],
+                                          acted=verdicts.acts_on(reweighted) if reweighted else None)
     return Claim("TIS does not stop the drift", "Mind Lab R3 blog", "k3 keeps growing under TIS",
                  "; ".join(parts) or "n/a", verdict,
                  f"not tested: TIS reweights (ρ outside [1/2, 2]) < {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed, "

@@ -41,7 +41,8 @@ import yaml
 
 from moerl.collapse import collapse_step
 from moerl.tracking import read_metrics
-from moerl.verdicts import INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control, by_threshold, gate
+from moerl.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
+                            by_threshold, gate, keeps_drifting)
 
 EXPERIMENT = "07_dose_threshold"
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
@@ -75,6 +76,7 @@ def run_summary(rows: list[dict]) -> dict:
     if not train:
         return {"steps": 0}
     reward = _values(train, "reward/mean")
+    k3 = _values(train, "mismatch/k3")
     grad = _values(train, "grad_norm")
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
 
@@ -92,6 +94,9 @@ def run_summary(rows: list[dict]) -> dict:
             "grad_norm_median": float(np.nanmedian(grad)) if grad.size else None,
             "grad_norm_max": float(np.nanmax(grad)) if grad.size else None,
             "effective_token_frac": median("effective/token_frac"),
+            # the drift: late over early median k3 (moerl.verdicts.keeps_drifting)
+            "k3_growth": (float(np.nanmedian(k3[-EARLY_LATE_WINDOW:]) / np.nanmedian(k3[:EARLY_LATE_WINDOW]))
+                          if k3.size >= 2 * EARLY_LATE_WINDOW and np.nanmedian(k3[:EARLY_LATE_WINDOW]) > 0 else None),
             "acts_on": {key: mean(key) for key in set(ACTS_ON.values()) | set(ACTS_ON_PREREGISTERED.values())},
             "reward_first": float(reward[:REWARD_WINDOW].mean()), "reward_last": float(reward[-REWARD_WINDOW:].mean()),
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
@@ -198,7 +203,13 @@ def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dic
         "minus_baseline": over_baseline, "minus_control": over_control,
         "effective_token_frac": {s: r.get("effective_token_frac") for s, r in runs.items()},
         "baseline_behind_control": effect, **verdicts(ACTS_ON),
+        "k3_growth": {s: r.get("k3_growth") for s, r in runs.items()},
+        "baseline_k3_growth": {s: r.get("k3_growth") for s, r in baseline.items()},
     }
+    # Mind Lab's "does not stop the drift", by experiment 05's rule (applied here after the runs were read).
+    out["keeps_drifting"] = keeps_drifting([g for g in out["k3_growth"].values() if g is not None],
+                                           [g for g in out["baseline_k3_growth"].values() if g is not None],
+                                           acted=out["acted"])
     if ACTS_ON.get(arm) != ACTS_ON_PREREGISTERED.get(arm):
         out["preregistered"] = verdicts(ACTS_ON_PREREGISTERED)
     return out

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 import numpy as np
 
 ACTS_ON_MIN = 0.01  # a mitigation acting on fewer tokens than this (share of response tokens) is not tested
+EARLY_LATE_WINDOW = 50  # steps: "early" / "late" are a run's first / last this many steps
+DRIFT_GROWTH = 1.2  # the mismatch "drifts" when its late median k3 exceeds the early one by more than this
 
 YES, PARTLY, NO, NOT_TESTED, INCONCLUSIVE = "yes", "partly", "no", "not tested", "inconclusive"
 VERDICTS = (YES, PARTLY, NO, NOT_TESTED, INCONCLUSIVE)
@@ -74,3 +76,12 @@ def gate(verdict: str, acted: bool | None = None, effect_present: bool | None = 
     if acted is False or effect_present is False:
         return NOT_TESTED
     return verdict
+
+
+def keeps_drifting(arm_growth: Iterable[float], baseline_growth: Iterable[float], acted: bool | None) -> str:
+    """Mind Lab's "<mitigation> does not stop the drift", per seed from each run's late / early median k3:
+    yes when the arm's grows > DRIFT_GROWTH in every seed, no in none, inconclusive when the seeds
+    disagree; not tested when the mitigation hardly acted or the uncorrected arm's k3 did not grow
+    > DRIFT_GROWTH in every seed (no drift to stop)."""
+    drift = by_threshold(baseline_growth, DRIFT_GROWTH)
+    return gate(by_threshold(arm_growth, DRIFT_GROWTH), acted=acted, effect_present=drift == YES)

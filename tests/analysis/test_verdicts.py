@@ -60,14 +60,17 @@ def _growing(factor):
 
 def test_tis_claim_each_verdict():
     drift = _growing(3.0)
-    acting = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": drift, "is/truncated_frac": 0.05}}
+    # TIS acts on tokens whose ratio leaves [1/2, 2] on either side (above: capped; below: scaled down).
+    acts = {"is/truncated_frac": 0.01, "is/above_frac": 0.01, "is/below_frac": 0.04}
+    acting = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": drift, **acts}}
     assert claims.claim_tis(*_frames(acting)).verdict == "yes"
-    stopped = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": 1e-4, "is/truncated_frac": 0.05}}
+    stopped = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": 1e-4, **acts}}
     assert claims.claim_tis(*_frames(stopped)).verdict == "no"
-    idle = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": 1e-4, "is/truncated_frac": 1e-4}}
-    assert claims.claim_tis(*_frames(idle)).verdict == "not tested"  # TIS truncated 0.01 % of tokens
+    idle = {"baseline": {"mismatch/k3": drift}, "tis": {"mismatch/k3": 1e-4, "is/truncated_frac": 1e-4,
+                                                         "is/above_frac": 1e-4, "is/below_frac": 2e-4}}
+    assert claims.claim_tis(*_frames(idle)).verdict == "not tested"  # TIS reweighted 0.03 % of tokens
     split = {"baseline": {"mismatch/k3": drift},
-             "tis": {"mismatch/k3": _growing(lambda s: [1.0, 1.5, 3.0][s]), "is/truncated_frac": 0.05}}
+             "tis": {"mismatch/k3": _growing(lambda s: [1.0, 1.5, 3.0][s]), **acts}}
     assert claims.claim_tis(*_frames(split)).verdict == "inconclusive"
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moerl.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
                         RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
                         threshold, threshold_shift)
+from moerl.plots import save  # noqa: E402
 from moerl.results import write_marked_section  # noqa: E402
 from moerl.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
@@ -175,9 +176,7 @@ def thresholds_figure(t: dict, path: Path) -> None:
     ax.set_title(f"Experiment 07: at which rung does each arm collapse?\n(threshold: lowest rung with a collapsed "
                  f"seed; fp32 control: {t['control'][0]}/{t['control'][1]} collapsed)", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _provisional(verdict: dict) -> str:
@@ -339,9 +338,7 @@ def figure(runs: list[dict], path: Path) -> None:
     fig.suptitle(f"Experiment 07: dose ladder, uncorrected arm (seed 0 per rung)\n{'; '.join(setups)}; "
                  f"{', '.join(map(str, steps))} GRPO steps", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def mitigation_figure(table: dict[str, dict], path: Path) -> None:
@@ -375,9 +372,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
                  "each seed's final held-out pass@1 (fp32 evaluator) minus the control's of the same seed; dots: seeds, "
                  "bar: mean", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def dynamics_figure(runs: list[dict], path: Path) -> None:
@@ -409,9 +404,7 @@ def dynamics_figure(runs: list[dict], path: Path) -> None:
                  "dotted: collapse step; the fp32 control's k3 is 0 up to round-off)", fontsize=10)
     ax.legend(title="rollout", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def pilot_rows(dirs: list[Path]) -> str:

@@ -97,7 +97,7 @@ def run_summary(rows: list[dict]) -> dict:
             # the drift: late over early median k3 (moerl.verdicts.keeps_drifting)
             "k3_growth": (float(np.nanmedian(k3[-EARLY_LATE_WINDOW:]) / np.nanmedian(k3[:EARLY_LATE_WINDOW]))
                           if k3.size >= 2 * EARLY_LATE_WINDOW and np.nanmedian(k3[:EARLY_LATE_WINDOW]) > 0 else None),
-            "acts_on": {key: mean(key) for key in set(ACTS_ON.values()) | set(ACTS_ON_PREREGISTERED.values())},
+            "acts_on": {key: mean(key) for key in sorted(set(ACTS_ON.values()) | set(ACTS_ON_PREREGISTERED.values()))},
             "reward_first": float(reward[:REWARD_WINDOW].mean()), "reward_last": float(reward[-REWARD_WINDOW:].mean()),
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),

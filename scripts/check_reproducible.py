@@ -50,9 +50,12 @@ def is_trajectory(key: str) -> bool:
 def compare(recorded: list[dict], fresh: list[dict], max_step: int | None = None) -> list[str]:
     """Differences between two runs' metric rows, as lines 'step S (kind): key recorded X, now Y'.
     Rows are matched by (step, train|eval); every key of a recorded row must be logged again with the
-    same value (wall-clock times excepted); keys that only the new run logs are not differences."""
+    same value (wall-clock times excepted); keys that only the new run logs are not differences. A key
+    recorded under a name since changed (moerl.results.METRIC_ALIASES) is compared under its current name."""
+    from moerl.results import canonical_key
+
     def index(rows):
-        return {(int(r["step"]), _kind(r)): r for r in rows
+        return {(int(r["step"]), _kind(r)): {canonical_key(k): v for k, v in r.items()} for r in rows
                 if max_step is None or int(r["step"]) <= max_step}
     old, new = index(recorded), index(fresh)
     out = []

@@ -48,3 +48,21 @@ def test_keys_added_since_a_recording_are_rerun_as_recorded():
     assert "rollout.kernels=native" in old and "trainer.eval_precision=rollout" in old
     new = check.recorded_settings({"rollout": {"kernels": "emulated"}, "trainer": {"eval_precision": "fp32"}})
     assert "rollout.kernels=emulated" in new and "trainer.eval_precision=fp32" in new
+
+
+def test_a_renamed_metric_is_compared_under_its_current_name():
+    recorded = [dict(r) for r in RECORDED]
+    recorded[1]["reward/group_solved_frac"] = 0.75  # the name experiment 00's first recordings used
+    fresh = [dict(r) for r in RECORDED]
+    fresh[1]["reward/mixed_group_frac"] = 0.75
+    assert check.compare(recorded, fresh) == []
+    fresh[1]["reward/mixed_group_frac"] = 0.5
+    assert check.compare(recorded, fresh) == ["step 1 (train): 'reward/mixed_group_frac' recorded 0.75, now 0.5"]
+
+
+def test_check_other_cpu_refuses_an_unknown_part_before_running_anything(tmp_path):
+    import subprocess
+
+    script = SCRIPT.parent / "check_other_cpu.sh"
+    proc = subprocess.run(["bash", str(script), "--only", "everything"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--only takes reproduce or speed, not 'everything'" in proc.stderr

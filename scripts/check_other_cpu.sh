@@ -11,7 +11,9 @@
 #      - baseline (emulated bf16 kernels, the default): must reproduce wherever fp32 does -- the claim
 #        that the emulated kernels give the same bf16 numerics on every CPU;
 #      - baseline with the native bf16 kernels (recorded in results/kernels/runs/native): expected to
-#        differ from step 1 on a CPU without AVX512-BF16/AMX, which is why the emulated path exists.
+#        differ from step 1 on a CPU without AVX512-BF16/AMX, which is why the emulated path exists;
+#    and experiment 07's uncorrected NVFP4 run (4-bit weights through the emulated kernels): must
+#    reproduce as the emulated baseline does.
 # 2. speed: bench_kernels.py (native vs emulated rollout and GRPO step, 1 thread) and bench_peer.py
 #    (moerl / TRL GRPOTrainer, 1 thread; builds .venv-peer first if absent).
 #
@@ -61,6 +63,8 @@ if [ "$only" != speed ]; then
   run_check baseline_emulated reproduces $PY scripts/check_reproducible.py --arm baseline --bitwise
   run_check baseline_native differs $PY scripts/check_reproducible.py --arm baseline \
     --recorded results/kernels/runs/native --bitwise
+  run_check dose07_nvfp4 reproduces $PY scripts/check_reproducible.py --experiment experiments/07_dose_threshold \
+    --arm baseline+rollout.dtype=nvfp4 --bitwise
 fi
 if [ "$only" != reproduce ]; then
   run_check bench_kernels measured $PY scripts/bench_kernels.py --isa default --out "$out/kernels"

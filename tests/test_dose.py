@@ -64,6 +64,11 @@ def test_mitigation_verdicts_on_paired_seeds():
     assert (v["helps"], v["like_control"], v["prevents_collapse"]) == ("inconclusive", "no", "no")
     v = mitigation_verdicts("tis", summaries([0.50, 0.60, 0.20], collapse=(1, 2)), baseline, control)
     assert v["prevents_collapse"] == "no" and v["collapsed"] == 2
+    # Two seeds finished, both collapsed, where the baseline collapsed in both: no (not "partly" against
+    # the baseline's three seeds).
+    all_collapse = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
+    two = summaries([0.2, 0.2], collapse=(0, 1), key="mask/token_frac", acts=0.8)
+    assert mitigation_verdicts("mis", two, all_collapse, control)["prevents_collapse"] == "no"
 
 
 def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():

@@ -19,7 +19,7 @@ moerl.verdicts' rules (:func:`mitigation_verdicts`):
 - **trains like the control**: the arm's final pass@1 minus the control's, every seed above
   ``-MATCH_MARGIN`` -> yes, every seed below -> no, straddling -> inconclusive;
 - **prevents collapse** (only where the baseline collapsed in some seed): no collapsed seed -> yes,
-  as many as the baseline -> no, fewer -> partly;
+  as many as the baseline on the same seeds -> no, fewer -> partly;
 - both gated to *not tested* when the arm acted on < 1 % of tokens in every seed (``ACTS_ON``: TIS
   reweighted by a factor of 2 or more, MIS / IcePop masked, R3 replayed a different expert set
   somewhere in the token's stack) or when the baseline did not fall behind the control in every paired
@@ -181,7 +181,8 @@ def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dic
     # Nothing to mitigate unless the baseline fell behind the control (lower gain) in every paired seed.
     effect = beyond_control(_gain(baseline), _gain(control), worse="lower")
     collapsed = [s for s, r in runs.items() if r.get("collapse_step") is not None]
-    base_collapsed = [s for s, r in baseline.items() if r.get("collapse_step") is not None]
+    # paired: the baseline's collapses on the seeds this arm has finished
+    base_collapsed = [s for s, r in baseline.items() if r.get("collapse_step") is not None and s in runs]
     if not base_collapsed:
         prevents = NOT_TESTED
     elif not collapsed:

@@ -237,6 +237,23 @@ def grid_markdown(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def masking_claim(runs: list[dict], rung: str):
+    """Mind Lab's "masking IS discards ever more samples" at ``rung``, by experiment 05's own rule and code
+    (moerl.claims.claim_masking) on the finished baseline, MIS and IcePop runs there; None without MIS or
+    IcePop runs."""
+    import pandas as pd
+
+    from moerl import claims
+
+    chosen = [r for r in runs if r["arm"] in ("baseline", "mis", "icepop") and r["rung"] == rung
+              and r["steps"] == r["steps_planned"]]
+    if not any(r["arm"] != "baseline" for r in chosen):
+        return None
+    rows = [{"arm": r["arm"], "seed": r["seed"], **m} for r in chosen
+            for m in read_metrics(Path(r["run_dir"]) / "metrics.jsonl")]
+    return claims.claim_masking(pd.DataFrame(rows), pd.DataFrame([{"arm": r["arm"], "seed": r["seed"]} for r in chosen]))
+
+
 def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
     """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.dose, moerl.verdicts)."""
     controls = [r for r in runs if r["arm"] == "fp32_control" and r["steps"] == r["steps_planned"]]
@@ -288,6 +305,11 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"{_growths(tis['k3_growth'])} | **{tis['keeps_drifting']}** (experiment 05's rule, applied "
                          f"after these runs were read: yes when TIS's k3 grows > {DRIFT_GROWTH}× in every seed, no in "
                          f"none){_provisional(tis)} |")
+        masking = masking_claim(runs, rung)
+        if masking is not None:
+            lines.append(f"| {masking.claim} (rung {rung}) | {masking.source} | {masking.repo} | **{masking.verdict}** "
+                         f"(experiment 05's rule, `moerl.claims.claim_masking`, applied after these runs were read: "
+                         f"{masking.rule}) |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")

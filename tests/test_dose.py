@@ -140,7 +140,7 @@ def test_a_mitigations_threshold_and_how_it_moves_the_baselines():
     assert threshold_shift(arm_threshold({"fp8": (0, 3), "nvfp4": (1, 3)}, order), baseline, order) == "unchanged"
     assert threshold_shift(arm_threshold({"fp8": (1, 3), "nvfp4": (3, 3)}, order), baseline, order) == "lower"
     # Not yet run at fp8, or a baseline that never collapsed: nothing to compare.
-    assert threshold_shift(arm_threshold({"nvfp4": (0, 2)}, order), baseline, order) == "not tested"
+    assert threshold_shift(arm_threshold({"nvfp4": (0, 2)}, order), baseline, order) == "not tested: not run at fp8"
     assert threshold_shift(never, never, order) == "not tested"
 
 

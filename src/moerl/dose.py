@@ -231,8 +231,13 @@ def threshold_shift(arm: dict, baseline: dict, order: list[str]) -> str:
     """How a mitigation moves the baseline's threshold (both from :func:`arm_threshold` on the same rungs):
     'lower' (it collapses where the baseline does not), 'unchanged', 'raised above <rung>' (no collapse up to
     the highest rung run, where the baseline collapsed), or 'not tested' (the baseline never collapsed, or
-    the two ran on different rungs)."""
-    if baseline["rung"] is None or arm["rungs"] != baseline["rungs"]:
+    the two ran on different rungs; 'not tested: not run at <rungs>' while the arm is still missing some)."""
+    if baseline["rung"] is None:
+        return NOT_TESTED
+    missing = [r for r in baseline["rungs"] if r not in arm["rungs"]]
+    if missing:
+        return f"{NOT_TESTED}: not run at {', '.join(missing)}"
+    if arm["rungs"] != baseline["rungs"]:
         return NOT_TESTED
     if arm["rung"] is None:
         return f"raised above {arm['above']}"

@@ -50,8 +50,9 @@ CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
 GRID_SEEDS = 3  # seeds per arm and rung in the main grid
 MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis")  # the main grid's arms besides baseline and control
-# What each mitigation acts on, per run (run mean of a per-step share of response tokens): TIS truncates
-# weights, MIS / IcePop zero them, R3 replaces the trainer's experts where they differ from the rollout's.
+# What each mitigation acts on, per run (run mean of a per-step share of response tokens), as committed
+# before the grid: TIS truncates weights, MIS / IcePop zero them, R3 replaces the trainer's experts where
+# they differ from the rollout's. TIS's measure was amended since (module docstring).
 ACTS_ON_PREREGISTERED = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "icepop": "mask/token_frac",
                          "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
 # TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).

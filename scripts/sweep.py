@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -263,6 +264,23 @@ def _stop_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
+@contextmanager
+def signal_handlers_restored(install=None):
+    """Install ``install`` for SIGTERM/SIGINT (if given) for the block, then put back the caller's
+    handlers, whatever the block installed (``ray.init`` installs its own SIGTERM handler). A process that
+    calls ``main`` in-process (tests, notebooks) and later forks or is terminated must not inherit a
+    handler that waits on runs it no longer has: a forked pool worker that catches SIGTERM outlives
+    ``Pool.terminate`` and hangs its parent."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for sig in previous if install else ():
+            signal.signal(sig, install)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
     """Run one job as a subprocess (in ``cwd``, default the current directory: relative paths in the
     configs resolve as they do for the sweep), its stdout and stderr appended to the job's log."""
@@ -423,18 +441,18 @@ def sweep(argv: list[str] | None = None) -> int:
             print(f"{j.arm} seed{j.seed}: {j.action}" + (f"  $ {' '.join(j.command)}" if j.command else ""))
         return 0
 
-    if not args.ray:  # the runs end with the sweep (Ray owns the processes of its tasks)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_on_signal)
     start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
     runner = (lambda js, t: run_ray(js, t)) if args.ray else (lambda js, t: run_local(js, n_jobs, t))
-    ran = runner(warm, warm_threads) if warm else []
-    failed_logs = {r.log for r in ran if r.rc != 0}
-    broken = {j.run_dir: j.log for j in warm if j.log in failed_logs}
-    # Runs whose warm start failed are not started (each would retry it): reported as failed.
-    ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start]) for j in todo if j.warm_start in broken]
-    todo = [j for j in todo if j.warm_start not in broken]
-    ran += runner(todo, threads) if todo else []
+    # SIGTERM/SIGINT stop the runs, resumable (under Ray, Ray owns the processes of its tasks)
+    with signal_handlers_restored(None if args.ray else _stop_on_signal):
+        ran = runner(warm, warm_threads) if warm else []
+        failed_logs = {r.log for r in ran if r.rc != 0}
+        broken = {j.run_dir: j.log for j in warm if j.log in failed_logs}
+        # Runs whose warm start failed are not started (each would retry it): reported as failed.
+        ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start])
+                for j in todo if j.warm_start in broken]
+        todo = [j for j in todo if j.warm_start not in broken]
+        ran += runner(todo, threads) if todo else []
     wall = time.perf_counter() - start
     results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log) for j in jobs if j.action == "skip"]
     from moerl.tracking import git_sha

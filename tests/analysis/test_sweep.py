@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -139,7 +140,11 @@ def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monke
     argv = [str(EXP_DIR), "--seeds", "2", "--arms", "baseline,r3,tis,deepseek_r3", "--jobs", "2",
             "--output-dir", str(out), "--run-script", str(fake_run), "--warm-start-script", str(fake_warm_start),
             "trainer.steps=3", f"warm_start.cache_dir={ws}"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     assert sweep.main(argv) == 1  # tis fails
+    # the sweep's stop-the-runs handlers end with it: a process that forks or is terminated later must not
+    # inherit them (a forked pool worker that catches SIGTERM outlives Pool.terminate)
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     text = capsys.readouterr().out
     # the uncached warm starts were trained once each before the runs: one for the qwen3_moe arms
     # (baseline, r3, tis share model/data/warm-start config), one for deepseek_r3
@@ -197,7 +202,9 @@ def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
     out = tmp_path / "runs"
     argv = [str(EXP_DIR), "--seeds", "1", "--arms", "baseline,r3", "--ray", "--output-dir", str(out),
             "--run-script", str(fake_run), "warm_start.enabled=false"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     assert sweep.main(argv) == 0
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # not ray.init's SIGTERM handler
     data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
     v = "+warm_start.enabled=false"
     assert data["invocations"][0]["ray"] and set(data["runs"]) == {f"baseline{v}/seed0", f"r3{v}/seed0"}
@@ -274,7 +281,8 @@ def test_sweeps_side_by_side_keep_every_entry(tmp_path):
     entries = [{"wall_seconds": 1.0, "ran": True, "results": [{"arm": f"a{i}", "seed": 0, "rc": 0, "action": "run",
                                                               "seconds": 1.0}]} for i in range(24)]
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(4) as pool:
+    # workers die on Pool.terminate's SIGTERM even if an earlier test left a handler in this process
+    with ctx.Pool(4, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL)) as pool:
         pool.starmap(sweep.record, [(tmp_path, e) for e in entries])
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert len(data["invocations"]) == 24 and len(data["runs"]) == 24

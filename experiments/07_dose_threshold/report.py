@@ -216,7 +216,7 @@ def grid_markdown(table: dict[str, dict]) -> str:
                   f"control seeds {g['control_seeds']}", "",
                   "| arm | seeds | collapsed (steps) | final pass@1 − baseline | final pass@1 − control | "
                   "acted on (share of tokens, per seed) | tokens keeping a gradient | k3 late / early 50 steps | helps | "
-                  f"trains like the control (within {MATCH_MARGIN}) | prevents collapse |",
+                  f"trains like the control (at most {MATCH_MARGIN} below) | prevents collapse |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm, v in g["arms"].items():
             acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
@@ -384,7 +384,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
             if ys:
                 ax.hlines(sum(ys) / len(ys), i - 0.25, i + 0.25, color="k", lw=1)
         ax.axhline(0, color="k", lw=0.6)
-        ax.axhspan(-MATCH_MARGIN, 0, color="tab:gray", alpha=0.2, lw=0, label=f"within {MATCH_MARGIN} of the control")
+        ax.axhspan(-MATCH_MARGIN, 0, color="tab:gray", alpha=0.2, lw=0, label=f"at most {MATCH_MARGIN} below the control (trains like it)")
         counts = [len(baseline) if n == "baseline" else len(g["arms"][n]["minus_control"]) for n in names]
         ax.set_xticks(range(len(names)), [f"{n}\n{c} seed(s)" for n, c in zip(names, counts)])
         ax.set_title(f"rollout {rung}")

@@ -58,7 +58,7 @@ ACTS_ON_PREREGISTERED = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "
 # TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).
 TIS_REWEIGHTED = "is/outside_band_frac"
 ACTS_ON = {**ACTS_ON_PREREGISTERED, "tis": TIS_REWEIGHTED}
-MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 within 0.05 (half the control's required gain)
+MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 at most 0.05 below it (half the control's required gain)
 
 
 def _values(rows: list[dict], key: str) -> np.ndarray:

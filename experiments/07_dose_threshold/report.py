@@ -251,7 +251,31 @@ def masking_claim(runs: list[dict], rung: str):
         return None
     rows = [{"arm": r["arm"], "seed": r["seed"], **m} for r in chosen
             for m in read_metrics(Path(r["run_dir"]) / "metrics.jsonl")]
-    return claims.claim_masking(pd.DataFrame(rows), pd.DataFrame([{"arm": r["arm"], "seed": r["seed"]} for r in chosen]))
+    metrics = pd.DataFrame(rows)
+    claim = claims.claim_masking(metrics, pd.DataFrame([{"arm": r["arm"], "seed": r["seed"]} for r in chosen]))
+    return claim, masking_trend_caveat(metrics, claim.verdict)
+
+
+def masking_trend_caveat(metrics, verdict: str) -> str:
+    """Experiment 05's masking rule answers "yes" on the *level* (fewer than half the tokens keep a
+    gradient late in the run). Where no masking arm's share fell in any seed, say that the "ever more"
+    half of the claim was not what happened, so the row does not read as more than was measured."""
+    from moerl import claims, verdicts
+
+    if verdict != verdicts.YES:
+        return ""
+    early = claims.window_mean(metrics, "effective/token_frac", "early")
+    late = claims.window_mean(metrics, "effective/token_frac", "late")
+    masked = claims.window_mean(metrics, "mask/token_frac")
+    def per_seed(series, arm):
+        return list(series[arm].values) if arm in series.index.get_level_values(0) else []
+
+    fell = [l_ < e for arm in ("mis", "icepop") if verdicts.acts_on(per_seed(masked, arm))
+            for e, l_ in zip(per_seed(early, arm), per_seed(late, arm))]
+    if fell and not any(fell):
+        return (" — on the level only: the share of tokens keeping a gradient did not fall from the first to the "
+                f"last {verdicts.EARLY_LATE_WINDOW} steps in any seed, so \"ever more\" is not shown")
+    return ""
 
 
 def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
@@ -305,11 +329,12 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"{_growths(tis['k3_growth'])} | **{tis['keeps_drifting']}** (experiment 05's rule, applied "
                          f"after these runs were read: yes when TIS's k3 grows > {DRIFT_GROWTH}× in every seed, no in "
                          f"none){_provisional(tis)} |")
-        masking = masking_claim(runs, rung)
-        if masking is not None:
+        found_masking = masking_claim(runs, rung)
+        if found_masking is not None:
+            masking, caveat = found_masking
             lines.append(f"| {masking.claim} (rung {rung}) | {masking.source} | {masking.repo} | **{masking.verdict}** "
                          f"(experiment 05's rule, `moerl.claims.claim_masking`, applied after these runs were read: "
-                         f"{masking.rule}) |")
+                         f"{masking.rule}){caveat} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")

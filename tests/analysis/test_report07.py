@@ -84,3 +84,19 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
             "Mind Lab R3 blog; verl rollout-correction docs | mis: masked 70.00% of tokens") in results
     assert "| **yes** (experiment 05's rule, `moerl.claims.claim_masking`" in results
     assert "R3 keeps GRPO training like the mismatch-free run (rung int4)" in results and "**yes** (helps: yes" in results
+
+
+def test_masking_yes_on_the_level_says_when_the_share_did_not_fall():
+    """05's masking rule answers "yes" on the level of masking; the row adds that "ever more" is not shown
+    when the masking arm's share keeping a gradient rose in every seed, and nothing when it fell."""
+    import pandas as pd
+
+    def metrics(early: float, late: float) -> pd.DataFrame:
+        rows = [{"arm": "mis", "seed": s, "step": t, "reward/mean": 0.5, "effective/token_frac": early if t <= 50 else late,
+                 "mask/token_frac": 1 - (early if t <= 50 else late)} for s in range(3) for t in range(1, 301)]
+        return pd.DataFrame(rows)
+
+    rising, falling = metrics(0.36, 0.42), metrics(0.45, 0.30)
+    assert "did not fall" in report.masking_trend_caveat(rising, "yes")
+    assert report.masking_trend_caveat(falling, "yes") == ""
+    assert report.masking_trend_caveat(rising, "no") == ""

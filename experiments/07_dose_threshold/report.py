@@ -267,6 +267,7 @@ def masking_trend_caveat(metrics, verdict: str) -> str:
     early = claims.window_mean(metrics, "effective/token_frac", "early")
     late = claims.window_mean(metrics, "effective/token_frac", "late")
     masked = claims.window_mean(metrics, "mask/token_frac")
+
     def per_seed(series, arm):
         return list(series[arm].values) if arm in series.index.get_level_values(0) else []
 

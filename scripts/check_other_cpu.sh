@@ -67,9 +67,9 @@ if [ "$only" != speed ]; then
     --arm baseline+rollout.dtype=nvfp4 --bitwise
 fi
 if [ "$only" != reproduce ]; then
-  run_check bench_kernels measured $PY scripts/bench_kernels.py --isa default --out "$out/kernels"
+  run_check bench_kernels measured $PY benchmarks/bench_kernels.py --isa default --out "$out/kernels"
   [ -x .venv-peer/bin/python ] || bash scripts/setup_peer_env.sh > "$out/setup_peer_env.log" 2>&1
-  run_check bench_peer measured .venv-peer/bin/python scripts/bench_peer.py --threads 1 --out "$out/peer"
+  run_check bench_peer measured .venv-peer/bin/python benchmarks/bench_peer.py --threads 1 --out "$out/peer"
 fi
 echo "wrote $summary"
 cat "$summary"

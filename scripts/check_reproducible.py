@@ -51,8 +51,8 @@ def compare(recorded: list[dict], fresh: list[dict], max_step: int | None = None
     """Differences between two runs' metric rows, as lines 'step S (kind): key recorded X, now Y'.
     Rows are matched by (step, train|eval); every key of a recorded row must be logged again with the
     same value (wall-clock times excepted); keys that only the new run logs are not differences. A key
-    recorded under a name since changed (moerl.results.METRIC_ALIASES) is compared under its current name."""
-    from moerl.results import canonical_key
+    recorded under a name since changed (moerl.analysis.results.METRIC_ALIASES) is compared under its current name."""
+    from moerl.analysis.results import canonical_key
 
     def index(rows):
         return {(int(r["step"]), _kind(r)): {canonical_key(k): v for k, v in r.items()} for r in rows

@@ -2,7 +2,7 @@
 
     python scripts/cluster_results.py ENTITY/PROJECT --experiment 02_kimi_k2_lora_grpo_r3 [--last 20]
 
-Loads the experiment's runs through wandb's public API (moerl.results.load_wandb_runs: verl's
+Loads the experiment's runs through wandb's public API (moerl.analysis.results.load_wandb_runs: verl's
 metric names mapped to this repo's, runs keyed by the experiment / arm / seed the launcher logs as
 wandb group and tags) and prints one Markdown row per quantity and arm: the paper's value and
 source, and this run's value (mean over the last ``--last`` logged steps, mean ± std over seeds).
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from moerl.results import MissingRunError, load_wandb_runs, mean_std
+from moerl.analysis.results import MissingRunError, load_wandb_runs, mean_std
 
 # (label, metric, format, paper value, source) per quantity the READMEs compare with a paper.
 QUANTITIES = [

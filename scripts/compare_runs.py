@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from moerl.results import MissingRunError, load_summaries
+from moerl.analysis.results import MissingRunError, load_summaries
 
 COLUMNS = [
     ("arm", "arm", "{}"), ("seed", "seed", "{}"),

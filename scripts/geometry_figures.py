@@ -17,10 +17,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from moerl.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
+from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
                                    figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
                                    sft_depth)
-from moerl.results import write_marked_section
+from moerl.analysis.results import write_marked_section
 
 
 def pct(x, lo=None, hi=None) -> str:
@@ -71,7 +71,7 @@ def prediction_lines(preds) -> list[str]:
 
 def claims_lines(df, preds) -> list[str]:
     """claim | paper | moerl | verdict, each verdict by the rule stated in its row."""
-    from moerl.geometry_report import anchor_row, point_row
+    from moerl.analysis.geometry_report import anchor_row, point_row
 
     base = point_row(df, "qwen3_base_L48_E128_k8_h64")
     sft = [r for r in (point_row(df, "state_qwen3_warm150"), point_row(df, "state_qwen3_warm400")) if r is not None]

@@ -100,7 +100,7 @@ def tokens(isas: list[str], prompts: int, group: int) -> list[dict]:
 # -- 2. runs -----------------------------------------------------------------------------------------
 def run_statistics() -> dict:
     """{kernels: {arm: {statistic: [per-seed values]}}} from the runs that are there."""
-    from moerl.results import MissingRunError, load_run
+    from moerl.analysis.results import MissingRunError, load_run
 
     out: dict = {}
     for source, (root, suffix) in SOURCES.items():
@@ -119,7 +119,7 @@ def run_statistics() -> dict:
 
 def bitwise(a_root: str, b_root: str, suffix: str) -> dict:
     """Per arm: seeds compared, and how many logged values (all but wall-clock times) differ."""
-    from moerl.results import MissingRunError, load_run
+    from moerl.analysis.results import MissingRunError, load_run
 
     out = {}
     for arm in ARMS:

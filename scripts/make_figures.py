@@ -8,7 +8,7 @@ headline summary (run-median k3 relative to the same model family's baseline, pe
 replayed routing agreement), held-out accuracy gains, routing per layer and, where
 samples/*.npz were saved, importance-weight histograms with each correction's cap or band,
 quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figure (cost, bf16 drift,
-bytes at scale) when --refit holds scripts/bench_refit.py's JSON.
+bytes at scale) when --refit holds benchmarks/bench_refit.py's JSON.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from moerl.plots import experiment_figures, refit_figure, save
-from moerl.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
+from moerl.analysis.plots import experiment_figures, refit_figure, save
+from moerl.analysis.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
                            load_token_samples)
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/runs")
     ap.add_argument("--out", default="results/figures")
-    ap.add_argument("--refit", default="results/refit", help="scripts/bench_refit.py output ('' to skip)")
+    ap.add_argument("--refit", default="results/refit", help="benchmarks/bench_refit.py output ('' to skip)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     try:

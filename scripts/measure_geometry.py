@@ -36,7 +36,7 @@ from moerl.config import ExperimentConfig, ModelConfig, load_config, to_dict
 from moerl.data import load_splits
 from moerl.models.geometry import CPU_WIDTH, geometry_model_config
 from moerl.models.presets import build_model
-from moerl.routing_geometry import measure
+from moerl.analysis.routing_geometry import measure
 
 BASE_CONFIG = "experiments/06_routing_geometry/base.yaml"
 GRPO_ARM = "experiments/05_mismatch_consequences/arms/baseline.yaml"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the optional environment that runs TRL's GRPOTrainer next to moerl's (scripts/bench_peer.py).
+# Build the optional environment that runs TRL's GRPOTrainer next to moerl's (benchmarks/bench_peer.py).
 # The venv lives at $MOERL_PEER_VENV (default: .venv-peer in the repo root): the main requirements,
 # moerl itself (editable) and requirements-peer.txt, all under constraints.txt so the CPU torch stays.
 # Idempotent: skips the install when the requirement files have not changed.

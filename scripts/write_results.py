@@ -5,7 +5,7 @@
 
 Each experiment directory becomes one section, in the order given.
 
-For experiment 05 the section opens with its claims table (moerl.claims): the source's value,
+For experiment 05 the section opens with its claims table (moerl.analysis.claims): the source's value,
 this repository's value and whether it was reproduced. Each table column is defined under the
 table (``COLUMNS``): held-out accuracy with its step-0 value, k3 KL between rollout and trainer
 (run median, its ratio to the same family's baseline, run mean), routing agreement averaged over
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from moerl import claims, verdicts
-from moerl.plots import load_questions
-from moerl.results import (MissingRunError, family_references, find_runs, load_metrics, load_sweep, mean_std,
+from moerl.analysis import claims, verdicts
+from moerl.analysis.plots import load_questions
+from moerl.analysis.results import (MissingRunError, family_references, find_runs, load_metrics, load_sweep, mean_std,
                            run_table, seed_stats)
 from moerl.tracking import atomic_write_text
 
@@ -141,10 +141,10 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
         metrics = claims.finished(load_metrics(exp_dir.parent, experiment), runs)
         answered = claims.evaluate_claims(metrics, runs)
         lines += ["", "### The claims, answered from these runs", "",
-                  "Computed by `moerl.claims` from the runs below (collapse by `moerl.collapse`; \"early\" / "
+                  "Computed by `moerl.analysis.claims` from the runs below (collapse by `moerl.analysis.collapse`; \"early\" / "
                   f"\"late\" = the first / last {claims.WINDOW} steps; ratios pair runs by seed and give the median "
                   "with the range over seeds). The verdict follows the rule in the last column. *Not tested* and "
-                  "*inconclusive* follow the shared rules of `moerl.verdicts`: not tested when the mitigation acts "
+                  "*inconclusive* follow the shared rules of `moerl.analysis.verdicts`: not tested when the mitigation acts "
                   f"on fewer than {verdicts.ACTS_ON_MIN:.0%} of tokens in every seed or no arm drifts or collapses "
                   "beyond its fp32 control; inconclusive when the seeds straddle the rule's threshold. These two "
                   "gates were added after the runs below had been read (four verdicts had read as answers where "

@@ -4,7 +4,7 @@
     python experiments/05_mismatch_consequences/pilot_table.py --markdown results/pilots/05_*   # recorded
 
 Per run: steps, training reward as 25-step means, mean k3, tokens re-routed in any layer, grad-norm
-median/max, non-finite updates, the collapse step (moerl.collapse) and the initial/final pass@1.
+median/max, non-finite updates, the collapse step (moerl.analysis.collapse) and the initial/final pass@1.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moerl.collapse import collapse_step
+from moerl.analysis.collapse import collapse_step
 from moerl.tracking import read_metrics
 
 

@@ -5,7 +5,7 @@ fp32 trainer at experiment 07's warm start, measured as experiment 06 measures a
 
 For each rung (bf16, int8, fp8, nvfp4, int4): the engine samples ``--prompts`` held-out prompts x 8 at
 T = 1 and the fp32 trainer scores the same tokens natively and with the rollout's experts replayed (R3)
-(moerl.routing_geometry.measure). Writes ``<out>/dose_at_warm_start.json`` and prints a table ordered by
+(moerl.analysis.routing_geometry.measure). Writes ``<out>/dose_at_warm_start.json`` and prints a table ordered by
 k3: the order of the ladder by the mismatch each rung causes, measured, not assumed from bit width.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.config import load_config  # noqa: E402
-from moerl.routing_geometry import measure  # noqa: E402
+from moerl.analysis.routing_geometry import measure  # noqa: E402
 from moerl.trainer.grpo import check_splits  # noqa: E402
 from moerl.trainer.warm_start import load_warm_start, warm_start_dir  # noqa: E402
 

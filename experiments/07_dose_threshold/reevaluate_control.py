@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.config import load_config  # noqa: E402
-from moerl.dose import CONTROL_GAIN, EXPERIMENT  # noqa: E402
+from moerl.analysis.dose import CONTROL_GAIN, EXPERIMENT  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
 from moerl.trainer.checkpoint import load_checkpoint  # noqa: E402
 from moerl.trainer.grpo import GRPOTrainer  # noqa: E402

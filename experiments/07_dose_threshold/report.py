@@ -7,7 +7,7 @@ grid has run, every mitigation arm per rung.
 
 Writes ``<out>/ladder.md`` and ``<out>/ladder.json`` and draws ``results/figures/07_dose_ladder.png``
 (one question: how do the mismatch and the held-out accuracy move with the dose?). Every number comes
-from metrics.jsonl through moerl.dose; the rules are stated there.
+from metrics.jsonl through moerl.analysis.dose; the rules are stated there.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
+from moerl.analysis.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
                         RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
                         threshold, threshold_shift)
-from moerl.plots import save  # noqa: E402
-from moerl.results import write_marked_section  # noqa: E402
-from moerl.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
+from moerl.analysis.plots import save  # noqa: E402
+from moerl.analysis.results import write_marked_section  # noqa: E402
+from moerl.analysis.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def ladder_rows(runs: list[dict]) -> tuple[dict, dict | None]:
 
 
 def ladder_complete(ladder: dict[str, dict]) -> bool:
-    """Every rung of the ladder (moerl.dose.RUNGS) has a finished seed-0 run."""
+    """Every rung of the ladder (moerl.analysis.dose.RUNGS) has a finished seed-0 run."""
     return set(RUNGS) <= set(ladder) and all(r["steps"] == r["steps_planned"] for r in ladder.values())
 
 
@@ -102,7 +102,7 @@ def grid(runs: list[dict]) -> dict[str, dict]:
 
 def thresholds(runs: list[dict], table: dict[str, dict]) -> dict:
     """Per arm, over the main grid's rungs (mismatch order): seeds collapsed of seeds finished at each,
-    its threshold (moerl.dose.arm_threshold) and how it moves the baseline's (moerl.dose.threshold_shift)."""
+    its threshold (moerl.analysis.dose.arm_threshold) and how it moves the baseline's (moerl.analysis.dose.threshold_shift)."""
     ladder, _ = ladder_rows(runs)
     order = [r for r in mismatch_order(ladder) if r in table] + sorted(r for r in table if r not in ladder)
     arms = ["baseline", *[a for a in MITIGATIONS if any(a in table[r]["arms"] for r in order)]]
@@ -194,9 +194,9 @@ def _interval(values: dict[int, float]) -> str:
 
 def _preregistered_note(arm: str, v: dict) -> str:
     """The verdicts of an arm whose "acted on" measure was amended after the grid started, under the
-    measure committed before it (moerl.dose.ACTS_ON_PREREGISTERED)."""
+    measure committed before it (moerl.analysis.dose.ACTS_ON_PREREGISTERED)."""
     pre = v["preregistered"]
-    return (f"{arm}: \"acted on\" is `{v['acted_measure']}` (amended after the grid started; see moerl.dose). "
+    return (f"{arm}: \"acted on\" is `{v['acted_measure']}` (amended after the grid started; see moerl.analysis.dose). "
             f"Under the pre-registered measure `{pre['acted_measure']}` "
             f"({', '.join(fmt(a) for a in pre['acted_frac']) or '—'} per seed) the verdicts read: helps "
             f"{pre['helps']}, trains like the control {pre['like_control']}, prevents collapse "
@@ -210,7 +210,7 @@ def _growths(values: dict[int, float | None]) -> str:
 def grid_markdown(table: dict[str, dict]) -> str:
     if not table:
         return "\nMain grid: not run yet.\n"
-    lines = [f"\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.dose):\n"]
+    lines = [f"\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.analysis.dose):\n"]
     for rung, g in table.items():
         lines += [f"**rung {rung}** — baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), "
                   f"control seeds {g['control_seeds']}", "",
@@ -239,11 +239,11 @@ def grid_markdown(table: dict[str, dict]) -> str:
 
 def masking_claim(runs: list[dict], rung: str):
     """Mind Lab's "masking IS discards ever more samples" at ``rung``, by experiment 05's own rule and code
-    (moerl.claims.claim_masking) on the finished baseline, MIS and IcePop runs there; None without MIS or
+    (moerl.analysis.claims.claim_masking) on the finished baseline, MIS and IcePop runs there; None without MIS or
     IcePop runs."""
     import pandas as pd
 
-    from moerl import claims
+    from moerl.analysis import claims
 
     chosen = [r for r in runs if r["arm"] in ("baseline", "mis", "icepop") and r["rung"] == rung
               and r["steps"] == r["steps_planned"]]
@@ -260,7 +260,7 @@ def masking_trend_caveat(metrics, verdict: str) -> str:
     """Experiment 05's masking rule answers "yes" on the *level* (fewer than half the tokens keep a
     gradient late in the run). Where no masking arm's share fell in any seed, say that the "ever more"
     half of the claim was not what happened, so the row does not read as more than was measured."""
-    from moerl import claims, verdicts
+    from moerl.analysis import claims, verdicts
 
     if verdict != verdicts.YES:
         return ""
@@ -280,7 +280,7 @@ def masking_trend_caveat(metrics, verdict: str) -> str:
 
 
 def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
-    """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.dose, moerl.verdicts)."""
+    """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.analysis.dose, moerl.analysis.verdicts)."""
     controls = [r for r in runs if r["arm"] == "fp32_control" and r["steps"] == r["steps_planned"]]
     learns = len(controls) >= 3 and all(control_learns(r) for r in controls)
     ladder, control = ladder_rows(runs)
@@ -334,7 +334,7 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
         if found_masking is not None:
             masking, caveat = found_masking
             lines.append(f"| {masking.claim} (rung {rung}) | {masking.source} | {masking.repo} | **{masking.verdict}** "
-                         f"(experiment 05's rule, `moerl.claims.claim_masking`, applied after these runs were read: "
+                         f"(experiment 05's rule, `moerl.analysis.claims.claim_masking`, applied after these runs were read: "
                          f"{masking.rule}){caveat} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
@@ -514,7 +514,7 @@ def main() -> None:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",
             "Written by `python experiments/07_dose_threshold/report.py` from `results/runs/07_dose_threshold` "
-            "(rules: `src/moerl/dose.py`, `src/moerl/verdicts.py`; regime and commands: "
+            "(rules: `src/moerl/analysis/dose.py`, `src/moerl/analysis/verdicts.py`; regime and commands: "
             "`experiments/07_dose_threshold/README.md`). Held-out pass@1 is measured by the trained policy in fp32 "
             "for every arm; rollouts use the emulated kernels.", "", text,
             "![dose ladder](figures/07_dose_ladder.png)", "",

@@ -1,7 +1,7 @@
-"""moerl.claims: each verdict follows its stated rule from the runs, and flips when the runs do."""
+"""moerl.analysis.claims: each verdict follows its stated rule from the runs, and flips when the runs do."""
 import pandas as pd
 
-from moerl import claims
+from moerl.analysis import claims
 
 STEPS = 120
 

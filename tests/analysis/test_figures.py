@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from moerl import plots
-from moerl.results import MissingRunError, select_arms
+from moerl.analysis import plots
+from moerl.analysis.results import MissingRunError, select_arms
 
 
 def _frame(arms, seeds=(0, 1), steps=5):

@@ -82,7 +82,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert "| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | the uncorrected run collapses from rung int4" in results
     assert ("| masking IS (MIS / IcePop) discards ever more samples, eventually halting training (rung int4) | "
             "Mind Lab R3 blog; verl rollout-correction docs | mis: masked 70.00% of tokens") in results
-    assert "| **yes** (experiment 05's rule, `moerl.claims.claim_masking`" in results
+    assert "| **yes** (experiment 05's rule, `moerl.analysis.claims.claim_masking`" in results
     assert "R3 keeps GRPO training like the mismatch-free run (rung int4)" in results and "**yes** (helps: yes" in results
 
 

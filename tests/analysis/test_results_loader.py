@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moerl.results import (MissingRunError, load_metrics, load_refit, load_run, load_summaries, load_token_samples,
+from moerl.analysis.results import (MissingRunError, load_metrics, load_refit, load_run, load_summaries, load_token_samples,
                            mean_std, results_root, run_table, seed_stats)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def test_seed_stats_and_mean_std():
 
 def test_load_refit(tmp_path):
     assert "presets" in load_refit(REPO / "tests" / "fixtures" / "refit")["bench_refit"]
-    with pytest.raises(MissingRunError, match=r"scripts/bench_refit.py"):
+    with pytest.raises(MissingRunError, match=r"benchmarks/bench_refit.py"):
         load_refit(tmp_path)
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="bad.json: not valid JSON"):
@@ -139,7 +139,7 @@ def test_write_results_table(tmp_path):
 
 
 def test_make_figures_writes_every_figure(tmp_path):
-    from moerl.plots import experiment_figures, load_questions
+    from moerl.analysis.plots import experiment_figures, load_questions
 
     df, runs_, samples = load_metrics(FIXTURE), load_summaries(FIXTURE), load_token_samples(FIXTURE)
     paths = experiment_figures(df, EXP, tmp_path, runs=runs_, samples=samples)
@@ -180,7 +180,7 @@ def test_renamed_metric_loads_under_its_current_name(tmp_path):
 
 
 def test_run_table_k3_median_all_layer_agreement_and_is_level(tmp_path):
-    from moerl.results import family_references, run_statistics
+    from moerl.analysis.results import family_references, run_statistics
 
     # k3 with one spike: the run median ignores it, the mean does not.
     rows = [{"step": s, "reward/mean": 0.5, "mismatch/k3": 1.0 if s == 3 else 1e-4,

@@ -228,7 +228,7 @@ def test_one_real_tiny_run_through_the_sweep(tmp_path, capsys):
     assert rc == 0, log[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 1 and (run / "samples" / "step_00001.npz").exists()
-    from moerl.results import load_run
+    from moerl.analysis.results import load_run
 
     assert load_run(out, "00_tiny_moe_cpu", run.parent.name, 0)["routing/agreement"].notna().any()
     assert sweep.main(argv) == 0 and "skipped (finished)" in capsys.readouterr().out

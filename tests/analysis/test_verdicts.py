@@ -1,8 +1,8 @@
-"""moerl.verdicts: each rule reaches its verdict on a small synthetic table, and the 05 claims that
+"""moerl.analysis.verdicts: each rule reaches its verdict on a small synthetic table, and the 05 claims that
 use it say "not tested" / "inconclusive" when the regime could not answer."""
 import pandas as pd
 
-from moerl import claims, verdicts
+from moerl.analysis import claims, verdicts
 
 
 def test_by_threshold_yes_no_inconclusive_not_tested():

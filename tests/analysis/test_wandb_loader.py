@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from moerl.results import VERL_METRIC_MAP, MissingRunError, load_wandb_runs, map_verl_metrics
+from moerl.analysis.results import VERL_METRIC_MAP, MissingRunError, load_wandb_runs, map_verl_metrics
 
 
 class FakeRun:
@@ -71,7 +71,7 @@ def test_cluster_results_table_puts_the_run_beside_the_paper():
 def test_notebooks_load_a_cluster_run_or_run_directories():
     from pathlib import Path
 
-    from moerl.results import load_experiment
+    from moerl.analysis.results import load_experiment
 
     rows = [{"_step": 1, "rollout_corr/k3_kl": 1e-3}]
     api = FakeApi([FakeRun("a", "r3", {"experiment": "03_q", "arm": "r3", "seed": 0}, rows)])

@@ -1,4 +1,4 @@
-"""README's "Bad input" table is the suite's own case list, and each case names a real test."""
+"""docs/reliability.md's "Bad input" table is the suite's own case list, and each case names a real test."""
 import ast
 from pathlib import Path
 

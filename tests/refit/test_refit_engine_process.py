@@ -34,7 +34,7 @@ def _perturb(model, scale):
                 p.add_(torch.randn_like(p) * scale)
 
 
-@pytest.mark.parametrize("refit_mode", ["adapter"])  # merged: in-process tests + scripts/bench_refit.py
+@pytest.mark.parametrize("refit_mode", ["adapter"])  # merged: in-process tests + benchmarks/bench_refit.py
 def test_engine_process_refit_round_trip_and_corruption(refit_mode):
     torch.manual_seed(0)
     cfg = ExperimentConfig()

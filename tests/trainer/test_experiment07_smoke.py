@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from moerl.config import load_config
-from moerl.dose import RUNGS
+from moerl.analysis.dose import RUNGS
 from moerl.trainer.grpo import GRPOTrainer
 from tests_helpers import tiny_overrides_for
 

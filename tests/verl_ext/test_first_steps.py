@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.results import VERL_METRIC_MAP
+from moerl.analysis.results import VERL_METRIC_MAP
 from moerl.verl_ext import first_steps as fs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Bucket checksums: xxh3-64 of a bucket's bytes, one-shot or streamed while the bucket is written.
 
 xxh3 (the ``xxhash`` package) hashes at tens of GB/s on one core, several times the memory-copy
-bandwidth, where CRC32 (``zlib``) and BLAKE2 (``hashlib``) run at or below it; scripts/bench_refit.py
+bandwidth, where CRC32 (``zlib``) and BLAKE2 (``hashlib``) run at or below it; benchmarks/bench_refit.py
 measures all three. Streaming gives the same digest as hashing the finished bucket in one go, so the
 sender can hash each piece while it is still in cache and the receiver checks the whole bucket.
 """

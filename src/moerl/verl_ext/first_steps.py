@@ -4,7 +4,7 @@ its GPU-hours. Each failed invariant has a name and a reason.
 Read from a moerl run directory (``metrics.jsonl``), a verl file-logger ``.jsonl``
 (``{"step": n, "data": {...}}``, trainer.logger=[file]), a verl console log (``step:n - key:value -
 ...`` lines, trainer.logger=[console]) or a wandb run (``wandb:ENTITY/PROJECT/RUN_ID``); verl's
-metric names go through ``moerl.results.VERL_METRIC_MAP`` so both read the same keys.
+metric names go through ``moerl.analysis.results.VERL_METRIC_MAP`` so both read the same keys.
 
 Invariants:
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from moerl.results import map_verl_metrics
+from moerl.analysis.results import map_verl_metrics
 
 FLOOR_MARGIN = 4.0
 # max step-1 k3 of experiment 00's bf16 arms (3 seeds each) x FLOOR_MARGIN, one significant digit up

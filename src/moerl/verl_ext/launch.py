@@ -341,7 +341,7 @@ def launch_overrides(exp: Experiment, seed: int | None = None, extra: list[str] 
             raise ExperimentError(f"{exp.files[-1]}: moerl.loss must be a mapping of LossConfig fields")
         out += losses.verl_overrides(from_dict(LossConfig, loss, where=f"{exp.files[-1]}: moerl.loss"))
     group = exp.name.split("/")[0]
-    # "arm:<arm>" / "seed:<n>": the form moerl.results.load_wandb_runs reads a run's key from
+    # "arm:<arm>" / "seed:<n>": the form moerl.analysis.results.load_wandb_runs reads a run's key from
     tags = [group] + ([f"arm:{exp.arm}"] if exp.arm else []) + ([f"seed:{seed}"] if seed is not None else [])
     ep = _experiment_ep(exp.overrides + list(extra))
     if ep is not None:  # shared expert adapters clip at an EP-dependent norm: runs compare at one EP only

@@ -1,8 +1,8 @@
 """Router Replay benchmark: packed trace sizes, and replay overhead against the same arm without replay.
 
-    .venv/bin/python scripts/bench_replay.py [--config experiments/00_tiny_moe_cpu/base.yaml]
+    .venv/bin/python benchmarks/bench_replay.py [--config experiments/00_tiny_moe_cpu/base.yaml]
         [--repeats 5] [--trainer-steps 4] [--no-trainer] [--out results/replay]
-    .venv/bin/python scripts/bench_replay.py --instructions [--arm-config ...arms/baseline.yaml]
+    .venv/bin/python benchmarks/bench_replay.py --instructions [--arm-config ...arms/baseline.yaml]
 
 1. Packed trace size per token for the paper models (L * k * ceil(log2 E) bits) -> trace_sizes.json.
 2. Overhead, all measured side by side in this one run (interleaved repeats, medians):
@@ -19,7 +19,7 @@
    ``none`` (replay.mode=none, rollout.capture_routing=false), ``capture`` (capture only) and ``r3``
    (replay.mode=R3). Each runs the same warm-up steps (``--warmup-steps``, with R3 so that every code
    path has run once), so all arms reach the measured step with the same weights, prompts and sampling
-   seed; then that one step is counted, region by region (moerl.instructions). Capture = capture arm -
+   seed; then that one step is counted, region by region (instructions). Capture = capture arm -
    none arm, replay = r3 arm - capture arm, each without the routing diagnostics (routing agreement,
    divergence, the R3 agreement alarm, ``trainer.paired_replay_every``'s extra pass, logging their
    metrics), which are reported on their own line. ``--instructions-repeats`` extra runs of the none
@@ -387,7 +387,7 @@ def instructions_child(arm_config: str, arm: str, warmup_steps: int, overrides: 
     import gc
     import hashlib
 
-    from moerl.instructions import Regions
+    from instructions import Regions
     from moerl.trainer.grpo import GRPOTrainer
 
     cfg = load_config(arm_config, OPERATIONAL + overrides)
@@ -429,7 +429,7 @@ def instructions_child(arm_config: str, arm: str, warmup_steps: int, overrides: 
 def _region_totals(out_prefix: Path) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(instructions per label, marks per label, matmul-kernel instructions per label) of one child's
     callgrind dumps."""
-    from moerl.instructions import function_costs, read_dump, region_dumps
+    from instructions import function_costs, read_dump, region_dumps
 
     totals, counts, matmul = {}, {}, {}
     for path in region_dumps(out_prefix):
@@ -448,7 +448,7 @@ def instructions(arm_config: str, warmup_steps: int, repeats: int, overrides: li
     import os
     import subprocess
 
-    from moerl.instructions import available, callgrind_command
+    from instructions import available, callgrind_command
     from moerl.trainer.warm_start import warm_start_dir
 
     missing = available()

@@ -1,6 +1,6 @@
 """Experiment 05's claims, answered from the recorded runs: the source's value, this repo's value,
 and a verdict (yes / partly / no / not tested / inconclusive) by a rule stated next to it; the
-rules for "not tested" and "inconclusive" live in moerl.verdicts.
+rules for "not tested" and "inconclusive" live in moerl.analysis.verdicts.
 
 Every figure is computed here from metrics.jsonl and summary.json; nothing is typed in. The yes /
 partly / no thresholds were fixed before reading the main grid; the "not tested" and
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from moerl import verdicts
-from moerl.collapse import collapse_step
+from moerl.analysis import verdicts
+from moerl.analysis.collapse import collapse_step
 
 WINDOW = verdicts.EARLY_LATE_WINDOW
 EXPERIMENT = "05_mismatch_consequences"
@@ -33,7 +33,7 @@ class Claim:
     source: str
     paper: str  # the source's value
     repo: str  # this repository's value, from the runs
-    verdict: str  # yes | partly | no | not tested | inconclusive (moerl.verdicts)
+    verdict: str  # yes | partly | no | not tested | inconclusive (moerl.analysis.verdicts)
     rule: str  # how the verdict follows from the values
 
 
@@ -43,7 +43,7 @@ def _train(metrics: pd.DataFrame) -> pd.DataFrame:
 
 
 def collapse_steps(metrics: pd.DataFrame) -> dict[tuple[str, int], int | None]:
-    """(arm, seed) -> collapse step (None: did not collapse), by moerl.collapse."""
+    """(arm, seed) -> collapse step (None: did not collapse), by moerl.analysis.collapse."""
     out = {}
     for (arm, seed), run in _train(metrics).groupby(["arm", "seed"]):
         out[(arm, int(seed))] = collapse_step(run.sort_values("step").to_dict("records"))
@@ -113,7 +113,7 @@ def _count_str(collapses: dict, arm: str) -> str:
 
 
 # -- the claims -------------------------------------------------------------------------------------
-# Each verdict goes through moerl.verdicts: "not tested" when the regime could not show the effect,
+# Each verdict goes through moerl.analysis.verdicts: "not tested" when the regime could not show the effect,
 # "inconclusive" when the seeds straddle the rule's threshold.
 
 def _per_seed(runs: pd.DataFrame, key: str) -> dict[str, dict[int, float]]:
@@ -217,7 +217,7 @@ def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
     growth = {arm: [float(late[arm][s] / early[arm][s]) for s in late[arm].index if s in early[arm].index]
               for arm in ("baseline", "tis") if not late.empty and arm in late.index.get_level_values(0)}
     truncated = _arm_values(window_mean(metrics, "is/truncated_frac"), "tis")
-    # What TIS acts on (as in moerl.dose): tokens whose weight min(ρ, C) departs from 1 by a factor of 2
+    # What TIS acts on (as in moerl.analysis.dose): tokens whose weight min(ρ, C) departs from 1 by a factor of 2
     # or more either way, ρ outside [1/C, C]; truncation (ρ > C) is only the upper tail.
     reweighted = _arm_values(window_mean(metrics, "is/above_frac").add(window_mean(metrics, "is/below_frac"),
                                                                      fill_value=np.nan), "tis")
@@ -371,7 +371,7 @@ def claims_markdown(claims: list[Claim]) -> str:
 
 
 def collapse_markdown(metrics: pd.DataFrame) -> str:
-    """Each run's collapse step (moerl.collapse), one row per arm, one column per seed."""
+    """Each run's collapse step (moerl.analysis.collapse), one row per arm, one column per seed."""
     steps = collapse_steps(metrics)
     seeds = sorted({s for _, s in steps})
     lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]

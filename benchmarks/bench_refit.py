@@ -11,7 +11,7 @@ The copy model of a refit is bytes / (1-thread memcpy bandwidth) + (buckets + 1)
 bandwidth and both refit modes back to back (the order alternating between rounds) and the ratio
 measured/model is taken per round; the median and the spread over rounds are reported.
 
-    .venv/bin/python scripts/bench_refit.py [--quick] [--rounds N]
+    .venv/bin/python benchmarks/bench_refit.py [--quick] [--rounds N]
 """
 from __future__ import annotations
 

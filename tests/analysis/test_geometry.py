@@ -80,7 +80,7 @@ def test_width_is_the_callers_choice_and_structure_is_not():
 
 
 def test_independence_prediction():
-    from moerl.routing_geometry import independence_prediction
+    from moerl.analysis.routing_geometry import independence_prediction
 
     assert independence_prediction([0.0, 0.0]) == 0.0
     assert independence_prediction([0.5, 0.5]) == pytest.approx(0.75)
@@ -88,7 +88,7 @@ def test_independence_prediction():
 
 
 def test_bootstrap_shares_counts_sequences():
-    from moerl.routing_geometry import bootstrap_shares
+    from moerl.analysis.routing_geometry import bootstrap_shares
 
     tokens = np.full(40, 10.0)
     any_layer = np.r_[np.full(20, 10.0), np.zeros(20)]  # half the sequences flip everywhere
@@ -99,7 +99,7 @@ def test_bootstrap_shares_counts_sequences():
 
 
 def test_loglinear_fit_recovers_a_power_law():
-    from moerl.routing_geometry import fit_loglinear, predict_loglinear
+    from moerl.analysis.routing_geometry import fit_loglinear, predict_loglinear
 
     x = np.array([8, 16, 32, 48.0])
     fit = fit_loglinear(x, 0.01 * x ** 0.5)
@@ -113,7 +113,7 @@ def test_smoke_pipeline(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import measure_geometry
 
     assert measure_geometry.main(["--smoke", "--out", str(tmp_path)]) == 0
@@ -136,8 +136,8 @@ def test_prediction_moves_the_anchor_along_the_fitted_slopes():
     """p at a new geometry = p_anchor * prod (x / x_anchor)^b; the share follows by independence."""
     import pandas as pd
 
-    from moerl.geometry_report import predict
-    from moerl.routing_geometry import fit_loglinear
+    from moerl.analysis.geometry_report import predict
+    from moerl.analysis.routing_geometry import fit_loglinear
 
     anchor = pd.Series({"p_mean": 0.02, "p_lo": 0.019, "p_hi": 0.021, "L": 8, "E": 32, "k": 4, "H": 64})
     depth = fit_loglinear([8, 16, 32], [0.02, 0.02 * 2 ** 0.5, 0.04])

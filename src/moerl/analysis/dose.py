@@ -5,7 +5,7 @@ A rung is a rollout precision (``rollout.dtype``; moerl.rollout.precision): fp32
 mismatch), the others are real low-precision mechanisms. Rungs are *ordered by the mismatch they cause*
 (the pilot's run-median k3), not by bit width: per-channel int8 rounds weights less than fp8 e4m3 does.
 
-Rules (moerl.collapse defines a collapse):
+Rules (moerl.analysis.collapse defines a collapse):
 - **the control learns** when the fp32 run does not collapse and its held-out pass@1 (fp32 evaluator)
   rises by at least ``CONTROL_GAIN`` from step 0 to the end;
 - **the threshold** is the lowest rung, in mismatch order, whose uncorrected (baseline) run collapses
@@ -13,7 +13,7 @@ Rules (moerl.collapse defines a collapse):
 
 The main grid (every mitigation arm x 3 seeds at a rung) is judged per arm on *paired seeds* (seed s of
 an arm against seed s of the baseline and of the control: same prompts, same initial LoRA), with
-moerl.verdicts' rules (:func:`mitigation_verdicts`):
+moerl.analysis.verdicts' rules (:func:`mitigation_verdicts`):
 - **helps**: the arm's final held-out pass@1 minus the baseline's, every seed above 0 -> yes, every seed
   below -> no, straddling -> inconclusive;
 - **trains like the control**: the arm's final pass@1 minus the control's, every seed above
@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from moerl.collapse import collapse_step
+from moerl.analysis.collapse import collapse_step
 from moerl.tracking import read_metrics
-from moerl.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
+from moerl.analysis.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
                             by_threshold, gate, keeps_drifting)
 
 EXPERIMENT = "07_dose_threshold"
@@ -95,7 +95,7 @@ def run_summary(rows: list[dict]) -> dict:
             "grad_norm_median": float(np.nanmedian(grad)) if grad.size else None,
             "grad_norm_max": float(np.nanmax(grad)) if grad.size else None,
             "effective_token_frac": median("effective/token_frac"),
-            # the drift: late over early median k3 (moerl.verdicts.keeps_drifting)
+            # the drift: late over early median k3 (moerl.analysis.verdicts.keeps_drifting)
             "k3_growth": (float(np.nanmedian(k3[-EARLY_LATE_WINDOW:]) / np.nanmedian(k3[:EARLY_LATE_WINDOW]))
                           if k3.size >= 2 * EARLY_LATE_WINDOW and np.nanmedian(k3[:EARLY_LATE_WINDOW]) > 0 else None),
             "acts_on": {key: mean(key) for key in sorted(set(ACTS_ON.values()) | set(ACTS_ON_PREREGISTERED.values()))},

@@ -1,4 +1,4 @@
-"""Instruction counting (moerl.instructions) and how bench_replay turns counts into overheads.
+"""Instruction counting (instructions) and how bench_replay turns counts into overheads.
 
 The callgrind dump reader and the overhead arithmetic are checked on small hand-written inputs; one
 test counts two regions of a real process under valgrind where valgrind is installed.
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from moerl import instructions
-from moerl.instructions import InstructionCountError, function_costs, read_dump, read_regions
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-ROOT = Path(__file__).resolve().parents[1]
+import instructions  # noqa: E402  (benchmarks/instructions.py: bench tooling, not part of the library)
+from instructions import InstructionCountError, function_costs, read_dump, read_regions  # noqa: E402
 
 DUMP = """# callgrind format
 version: 1
@@ -68,7 +69,7 @@ def test_regions_are_read_in_the_order_they_closed(tmp_path):
 
 
 def _bench_replay():
-    spec = importlib.util.spec_from_file_location("_bench_replay", ROOT / "scripts" / "bench_replay.py")
+    spec = importlib.util.spec_from_file_location("_bench_replay", ROOT / "benchmarks" / "bench_replay.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -109,8 +110,8 @@ def test_callgrind_counts_two_marked_regions(tmp_path):
     child = tmp_path / "child.py"
     child.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT / "src")!r})
-        from moerl.instructions import Regions
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        from instructions import Regions
         regions = Regions()
         assert regions.under_callgrind
         regions.start()

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # One colour per arm, the same in every figure of every experiment. Related arms share a hue
 # family (replay: blues, corrections: greens/olive, DeepSeek-V3 preset: reds, LoRA/refit: purples).
@@ -195,8 +195,8 @@ def _band(ax, df: pd.DataFrame, key: str, label: str, smooth: int = 1, **kw):
 
 
 def _collapse_marks(ax, df: pd.DataFrame, arm: str, smooth: int) -> None:
-    """An x at each run's collapse step (moerl.collapse), on the arm's smoothed reward curve."""
-    from moerl.collapse import collapse_step
+    """An x at each run's collapse step (moerl.analysis.collapse), on the arm's smoothed reward curve."""
+    from moerl.analysis.collapse import collapse_step
 
     for _, run in df.groupby("seed"):
         run = run.sort_values("step")
@@ -212,7 +212,7 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
            paper: list[dict] | None = None) -> plt.Figure:
     """One panel per (metric key, panel title); one line (+ seed band) per arm, in the arm's fixed
     colour; ``arms`` selects and orders the arms (default: all, alphabetically). A training-reward
-    panel marks each run that collapsed (moerl.collapse) with an x at its collapse step. A log
+    panel marks each run that collapsed (moerl.analysis.collapse) with an x at its collapse step. A log
     panel with zeros is drawn symlog, so the zeros stay on the axis. ``paper``: horizontal lines
     ``{value, label}`` (a source's number)."""
     arms = arms or sorted(df["arm"].unique())
@@ -337,11 +337,11 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
 
 
 def collapse_figure(df: pd.DataFrame, panels: list[dict], title: str, caption: str = "") -> plt.Figure:
-    """The collapse definition (moerl.collapse) drawn per arm: the WINDOW-step mean training reward
+    """The collapse definition (moerl.analysis.collapse) drawn per arm: the WINDOW-step mean training reward
     (line: mean over seeds, band: min-max over seeds), its threshold (dotted: FRACTION of the
     running peak, mean over seeds) and an x at each run's collapse step. fp32-rollout arms (no
     rollout mismatch) are dashed, so the controls read apart from the mismatched arms."""
-    from moerl.collapse import FRACTION, WINDOW, collapse_step, rolling_mean
+    from moerl.analysis.collapse import FRACTION, WINDOW, collapse_step, rolling_mean
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False, sharey=True)
     for ax, panel in zip(axes[0], panels):
@@ -385,7 +385,7 @@ def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5,
                     references: dict[str, str] | None = None) -> plt.Figure:
     """The figure of one question: its metrics over training for its arms, its F(tau) curve, its
     metric relative to each family's baseline (``references``: arm -> baseline arm;
-    moerl.results.family_references), or the collapse definition drawn."""
+    moerl.analysis.results.family_references), or the collapse definition drawn."""
     panels_of = question.panels or [{"title": "", "arms": question.arms}]
     if question.kind == "tau_curve":
         fig = tau_curve(df, question.title, question.arms, paper=question.paper)
@@ -517,7 +517,7 @@ def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str =
     acts on: the TIS cap, the MIS / IcePop keep band (shaded). An arm whose loss works on a
     sequence-level ratio (MIS) is histogrammed per sequence, and its axis says so. Panels of a row
     share their y scale."""
-    from moerl.results import is_level
+    from moerl.analysis.results import is_level
 
     arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
     n = max(len(arms), 1)
@@ -659,7 +659,7 @@ def logprob_scatter(samples: pd.DataFrame, title: str = "", max_points: int = 40
 
 def routing_layers_table(df: pd.DataFrame, summaries: pd.DataFrame | None = None) -> pd.DataFrame:
     """Mean routing agreement per arm (rows) and MoE layer (columns, global layer numbers), with
-    the arm's preset and replay mode when ``summaries`` (moerl.results.load_summaries) is given."""
+    the arm's preset and replay mode when ``summaries`` (moerl.analysis.results.load_summaries) is given."""
     cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
                   key=lambda c: int(c.rsplit("layer", 1)[1]))
     table = df.groupby("arm")[cols].mean()
@@ -673,7 +673,7 @@ def routing_layers_table(df: pd.DataFrame, summaries: pd.DataFrame | None = None
 
 
 def refit_figure(bench: dict, name: str = "bench_refit") -> plt.Figure:
-    """What does a refit cost, and does the engine's copy drift? From scripts/bench_refit.py's JSON:
+    """What does a refit cost, and does the engine's copy drift? From benchmarks/bench_refit.py's JSON:
     measured time and bytes per refit (adapter-only vs merged, per preset), the relative error of the
     bf16 engine's effective weights over repeated refits, and bytes per refit at scale (analytic)."""
     presets = bench.get("presets")
@@ -732,7 +732,7 @@ def refit_figure(bench: dict, name: str = "bench_refit") -> plt.Figure:
 def _paired_ratio(runs: pd.DataFrame, key: str, reference: str | dict[str, str]) -> pd.DataFrame:
     """Per arm: the ratio of ``key`` to the reference arm's on the same seed (seeds share prompts
     and initial weights), mean and min/max over seeds. ``reference``: one arm for all, or arm ->
-    its reference (moerl.results.family_references: each arm against its own family's baseline)."""
+    its reference (moerl.analysis.results.family_references: each arm against its own family's baseline)."""
     vals = runs.assign(v=pd.to_numeric(runs[key], errors="coerce")).pivot_table(index="arm", columns="seed", values="v")
     refs = reference if isinstance(reference, dict) else {a: reference for a in vals.index}
     rows = {}
@@ -751,13 +751,13 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
                    references: dict[str, str] | None = None) -> plt.Figure:
     """The headline: how much does each arm change the mismatch? Left, k3 relative to its own model
     family's baseline on the same seed (bar = median over seeds, whisker = min-max; ``references``:
-    arm -> baseline arm, default moerl.results.family_references); right, per-layer routing
+    arm -> baseline arm, default moerl.analysis.results.family_references); right, per-layer routing
     agreement averaged over MoE layers, beside the share of replayed rows that took the trace's
     experts, on an axis zoomed to the arms that agree (an arm far below is clipped and labelled).
     Arms are grouped by family under a heading naming the family's baseline."""
     from matplotlib.patches import Patch
 
-    from moerl.results import family_references
+    from moerl.analysis.results import family_references
 
     questions = questions or []
     arms = arm_order(runs["arm"].unique(), questions)
@@ -905,7 +905,7 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
     train = df[df["reward/mean"].notna()] if "reward/mean" in df else df
     if not questions:  # no figures.yaml: one question over all arms
         questions = [Question("training", f"{experiment}: training", sorted(train["arm"].unique()))]
-    from moerl.results import family_references
+    from moerl.analysis.results import family_references
 
     if runs is not None and not runs.empty:
         runs = runs[runs["experiment"] == experiment]
@@ -957,7 +957,7 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
 
 def mis_caption(losses: dict[str, dict] | None) -> str:
     """Why an MIS band reads as it does: it bounds a sequence ratio, whose spread depends on the level."""
-    from moerl.results import is_level
+    from moerl.analysis.results import is_level
 
     parts = []
     for arm, loss in sorted((losses or {}).items()):

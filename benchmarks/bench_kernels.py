@@ -1,7 +1,7 @@
 """Rollout kernels, side by side: native bf16 vs emulated bf16 (fp32 kernels, bf16 rounding points),
 with the fp32 rollout as the speed floor, under each oneDNN ISA cap in one run.
 
-    .venv/bin/python scripts/bench_kernels.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
+    .venv/bin/python benchmarks/bench_kernels.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
         [--rounds 6] [--warmup 1] [--threads 1] [--isa default,AVX2] [--out results/kernels] [key=value ...]
 
 For each ISA setting a child process is started with ``ONEDNN_MAX_CPU_ISA`` set (oneDNN reads it once,

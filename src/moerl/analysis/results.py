@@ -51,7 +51,7 @@ def results_root(env: str = "MOERL_RESULTS", default: str = "results/runs") -> P
     notebook runs the same from the repo root and from analysis/."""
     path = Path(os.environ.get(env) or default)
     if not path.is_absolute() and not path.exists():
-        repo = Path(__file__).resolve().parents[2]
+        repo = Path(__file__).resolve().parents[3]
         if (repo / path).exists():
             path = repo / path
     if not path.exists():
@@ -440,12 +440,12 @@ def mean_std(mean: float, std: float, n: int, fmt: str = "{:.3f}") -> str:
 
 
 def load_refit(root: str | Path = "results/refit") -> dict[str, dict]:
-    """Every JSON the refit benchmark (scripts/bench_refit.py) wrote under ``root``, by file stem."""
+    """Every JSON the refit benchmark (benchmarks/bench_refit.py) wrote under ``root``, by file stem."""
     root = Path(root)
     files = sorted(root.glob("*.json")) if root.is_dir() else []
     if not files:
         raise MissingRunError(f"no refit benchmark results: expected {root}/*.json "
-                              f"(run `python scripts/bench_refit.py` to produce them)")
+                              f"(run `python benchmarks/bench_refit.py` to produce them)")
     out = {}
     for path in files:
         try:

@@ -2,7 +2,7 @@
 the threshold."""
 import pytest
 
-from moerl.dose import control_learns, mismatch_order, run_summary, threshold
+from moerl.analysis.dose import control_learns, mismatch_order, run_summary, threshold
 
 
 def rows(rewards, k3=1e-4, pass1=(0.3, 0.45)):
@@ -52,7 +52,7 @@ def summaries(pass1_ends, collapse=(), acts=0.05, key="is/outside_band_frac", k3
 
 
 def test_mitigation_verdicts_on_paired_seeds():
-    from moerl.dose import mitigation_verdicts
+    from moerl.analysis.dose import mitigation_verdicts
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30], collapse=(2,))
@@ -72,7 +72,7 @@ def test_mitigation_verdicts_on_paired_seeds():
 
 
 def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():
-    from moerl.dose import mitigation_verdicts
+    from moerl.analysis.dose import mitigation_verdicts
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30])
@@ -89,7 +89,7 @@ def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():
 
 
 def test_tis_verdicts_under_the_amended_and_the_preregistered_acted_on_rule():
-    from moerl.dose import mitigation_verdicts
+    from moerl.analysis.dose import mitigation_verdicts
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
@@ -105,7 +105,7 @@ def test_tis_verdicts_under_the_amended_and_the_preregistered_acted_on_rule():
 
 
 def test_r3_reduces_mismatch_needs_both_halves():
-    from moerl.dose import r3_reduces_mismatch
+    from moerl.analysis.dose import r3_reduces_mismatch
 
     baseline = summaries([0.4] * 3, k3=1e-3, effective=0.99)
     assert r3_reduces_mismatch(summaries([0.6] * 3, k3=3e-4, effective=0.99), baseline)["verdict"] == "yes"
@@ -128,7 +128,7 @@ def test_run_summary_carries_what_each_mitigation_acted_on():
 
 
 def test_a_mitigations_threshold_and_how_it_moves_the_baselines():
-    from moerl.dose import arm_threshold, threshold_shift
+    from moerl.analysis.dose import arm_threshold, threshold_shift
 
     order = ["fp8", "nvfp4"]
     baseline = arm_threshold({"fp8": (0, 3), "nvfp4": (3, 3)}, order)
@@ -145,7 +145,7 @@ def test_a_mitigations_threshold_and_how_it_moves_the_baselines():
 
 
 def test_drift_under_a_mitigation_by_experiment_05s_rule():
-    from moerl.dose import mitigation_verdicts
+    from moerl.analysis.dose import mitigation_verdicts
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))

@@ -1,6 +1,6 @@
 """GRPO step time: the current step against the step before its optimisations, side by side in one run.
 
-    .venv/bin/python scripts/bench_step.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
+    .venv/bin/python benchmarks/bench_step.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
         [--rounds 8] [--warmup 2] [--threads N] [--out results/step] [key=value ...]
 
 Two trainers of the same arm and seed step in alternation (ABAB...), so machine noise hits both

@@ -1,6 +1,6 @@
 """moerl's GRPO step against TRL's GRPOTrainer doing the same work, alternated in one process.
 
-    .venv-peer/bin/python scripts/bench_peer.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
+    .venv-peer/bin/python benchmarks/bench_peer.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
         [--rounds 8] [--per-round 2] [--warmup 1] [--threads 1] [--structures matched,default]
         [--out results/peer] [key=value ...]
 
@@ -53,7 +53,7 @@ Schedule: ``--warmup`` untimed turns, then ``--rounds`` rounds; in each round ev
 sides alike). Threads: ``--threads 1`` (the default) gives the clean comparison. With more, each side's
 worker thread has its own OpenMP team, and with more team threads than cores libgomp cuts how long idle
 threads spin before sleeping: every side slowed 1.3-1.7x at ``--threads 2`` on a 2-core CPU (moerl's
-step 1.21 s against 0.70 s at one thread and 0.48 s in scripts/bench_step.py), the ratio did not move.
+step 1.21 s against 0.70 s at one thread and 0.48 s in benchmarks/bench_step.py), the ratio did not move.
 Each TRL trainer runs its train() in a worker thread that hands control back at a step
 boundary after its turn (moerl's steps run in a worker thread too); only one side computes at any time. Prints medians, min-max, ``moerl / TRL`` per
 structure and whether the target is met; checks that every generation round produced N completions of

@@ -1,4 +1,4 @@
-"""scripts/bench_peer.py: its batch mapping onto TRL, argument parsing and result summary (no TRL needed),
+"""benchmarks/bench_peer.py: its batch mapping onto TRL, argument parsing and result summary (no TRL needed),
 and a two-step smoke run against TRL that is skipped where TRL is not installed (the main venv; it runs
 in .venv-peer, built by scripts/setup_peer_env.sh)."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_bench_peer", ROOT / "scripts" / "bench_peer.py")
+    spec = importlib.util.spec_from_file_location("_bench_peer", ROOT / "benchmarks" / "bench_peer.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

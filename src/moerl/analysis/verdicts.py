@@ -1,4 +1,4 @@
-"""Verdict rules shared by the experiments' claims tables (experiment 05's moerl.claims, and any
+"""Verdict rules shared by the experiments' claims tables (experiment 05's moerl.analysis.claims, and any
 later experiment that answers a paper's claim from recorded runs).
 
 A verdict is one of ``yes`` / ``partly`` / ``no`` / ``not tested`` / ``inconclusive``:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from moerl.models.geometry import GEOMETRIES, public_config, routing_structure
-from moerl.routing_geometry import fit_loglinear
+from moerl.analysis.routing_geometry import fit_loglinear
 
 PAPER_SHARE = 0.94  # R3 paper (arXiv 2510.11370), Qwen3-30B-A3B: ~94 % of tokens differ in >= 1 router
 BASE = {"L": 48, "E": 128, "k": 8, "H": 64}

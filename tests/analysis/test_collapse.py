@@ -1,6 +1,6 @@
 import math
 
-from moerl.collapse import collapse_step, rolling_mean
+from moerl.analysis.collapse import collapse_step, rolling_mean
 
 
 def rows(rewards, **extra):

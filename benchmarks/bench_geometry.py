@@ -1,8 +1,8 @@
 """Time one experiment-06 measurement pass at a cluster routing geometry, and say where the time goes.
 
-    python scripts/bench_geometry.py                       # Kimi-K2 geometry (60 MoE layers x 384 experts), hidden 64
-    python scripts/bench_geometry.py --geometry deepseek_v3 --experts-implementation batched_mm
-    python scripts/bench_geometry.py --profile             # also the top operators of the rollout (torch profiler)
+    python benchmarks/bench_geometry.py                       # Kimi-K2 geometry (60 MoE layers x 384 experts), hidden 64
+    python benchmarks/bench_geometry.py --geometry deepseek_v3 --experts-implementation batched_mm
+    python benchmarks/bench_geometry.py --profile             # also the top operators of the rollout (torch profiler)
 
 A pass is what scripts/measure_geometry.py does per point and dtype: build the bf16 engine (emulated
 kernels, as experiment 06 pins), sample 8 prompts x 8 completions with routing capture, then the fp32
@@ -21,7 +21,7 @@ from moerl.data import load_splits
 from moerl.data.tokenizer import build_tokenizer
 from moerl.models.geometry import geometry_model_config
 from moerl.models.presets import build_model
-from moerl.routing_geometry import measure
+from moerl.analysis.routing_geometry import measure
 
 
 def main() -> None:

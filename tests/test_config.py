@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -67,14 +68,47 @@ def test_omegaconf_merging_and_dotlist_overrides():
     assert cfg.replay.mode == "R3" and cfg.rollout.dtype == "bf16"  # arm over base
 
 
-def test_threads_default_to_the_usable_cores():
+def test_threads_default_to_the_usable_cores(monkeypatch):
     import os
 
     from moerl.config import resolved_threads
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml")
     assert cfg.threads is None and resolved_threads(cfg) == len(os.sched_getaffinity(0))
     assert resolved_threads(load_config(None, ["threads=3"])) == 3
+
+
+def test_threads_null_honours_omp_num_threads(monkeypatch):
+    from moerl.config import resolved_threads
+
+    cfg = load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert resolved_threads(cfg) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,1")  # OpenMP's nested form: the outer level
+    assert resolved_threads(cfg) == 3
+    assert resolved_threads(load_config(None, ["threads=2"])) == 2  # an explicit setting wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many'"):
+        resolved_threads(cfg)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["model.first_k_dense=4"], "model.first_k_dense=4 leaves no MoE layer among model.num_layers=4"),
+    (["model.overrides.first_k_dense_replace=4"], "first_k_dense_replace"),
+])
+def test_config_with_no_moe_layer_is_refused(overrides, named, tmp_path):
+    arm = "experiments/00_tiny_moe_cpu/arms/deepseek_r3.yaml"
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(arm, [f"tracking.output_dir={tmp_path}", *overrides])
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
+def test_qwen3_with_only_dense_layers_is_refused():
+    with pytest.raises(ConfigError, match=r"model.overrides=\{'mlp_only_layers': \[0, 1, 2, 3\]\} leave no MoE layer"):
+        load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", ["model.overrides.mlp_only_layers=[0,1,2,3]"])
+    # three dense layers of four still leave one MoE layer
+    load_config("experiments/00_tiny_moe_cpu/arms/baseline.yaml", ["model.overrides.mlp_only_layers=[0,1,2]"])
 
 
 def test_run_identity_and_name():

@@ -264,9 +264,10 @@ class ExperimentConfig:
     experiment: str = "00_tiny_moe_cpu"
     arm: str = "baseline"
     seed: int = num(0, 0)
-    # Torch/OMP threads; null: the cores this process may use (os.sched_getaffinity), so two runs
-    # started side by side on a shared machine do not each claim every core.
-    threads: int | None = num(None, 1, why="null uses the cores this process may use")
+    # Torch/OMP threads; null: $OMP_NUM_THREADS when set, else the cores this process may use
+    # (os.sched_getaffinity), so two runs started side by side on a shared machine do not each claim
+    # every core.
+    threads: int | None = num(None, 1, why="null uses $OMP_NUM_THREADS, else the cores this process may use")
     # Command-line overrides that change the run (set by load_config): part of the run's name and
     # directory, so an override never lands in, skips or resumes the run of the plain arm.
     variant: str = ""
@@ -300,7 +301,17 @@ def usable_cores() -> int:
 
 
 def resolved_threads(cfg: ExperimentConfig) -> int:
-    return cfg.threads if cfg.threads is not None else usable_cores()
+    """``threads``, else ``$OMP_NUM_THREADS`` (the setting a user of OpenMP programs expects to be
+    honoured), else the cores this process may use."""
+    if cfg.threads is not None:
+        return cfg.threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not env:
+        return usable_cores()
+    first = env.split(",")[0].strip()  # OpenMP's nested form "4,2": the outer level is ours
+    if not first.isdigit() or int(first) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS={env!r}: expected a positive integer (or unset it, or set threads=N)")
+    return int(first)
 
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
@@ -675,6 +686,22 @@ def model_checks(m: ModelConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def moe_layer_numbers(m: ModelConfig) -> list[int]:
+    """Global numbers of the decoder layers that hold experts, by the rules of the transformers class
+    of ``m.preset`` (``model.overrides`` included), so a config with no MoE layer is refused before a
+    model is built: such a run would train silently with nothing to route."""
+    o = m.overrides
+    layers = range(int(o.get("num_hidden_layers", m.num_layers)))
+    if m.preset == "deepseek_v3":  # DeepseekV3DecoderLayer: an MoE block from first_k_dense_replace on
+        dense = int(o.get("first_k_dense_replace", m.first_k_dense))
+        return [i for i in layers if i >= dense]
+    if m.preset == "qwen3_moe":  # Qwen3MoeDecoderLayer: not in mlp_only_layers, every decoder_sparse_step-th
+        only, step = set(o.get("mlp_only_layers", [])), int(o.get("decoder_sparse_step", 1))
+        experts = int(o.get("num_experts", m.num_experts))
+        return [i for i in layers if i not in only and experts > 0 and (i + 1) % step == 0]
+    return list(layers)  # mixtral: every layer
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a type hint cannot express; each names the key and the rule."""
     m, r, t, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.loss
@@ -683,8 +710,12 @@ def validate(cfg: ExperimentConfig) -> None:
         (m.top_k <= m.num_experts, "model.top_k must be <= model.num_experts"),
         (m.preset != "deepseek_v3" or m.num_experts % m.n_group == 0,
          "model.num_experts must be divisible by model.n_group (deepseek_v3)"),
-        (m.preset != "deepseek_v3" or m.first_k_dense < m.num_layers,
-         "model.first_k_dense must be < model.num_layers"),
+        (bool(moe_layer_numbers(m)),
+         f"model.first_k_dense={m.first_k_dense} leaves no MoE layer among model.num_layers={m.num_layers}"
+         f"{f' (with model.overrides={m.overrides})' if m.overrides else ''}: a run would route nothing; "
+         f"use fewer dense layers or more layers" if m.preset == "deepseek_v3" else
+         f"model.overrides={m.overrides} leave no MoE layer among model.num_layers={m.num_layers} "
+         f"(model.preset={m.preset}): a run would route nothing"),
         *model_checks(m),
         (r.group_size >= 2, "rollout.group_size must be >= 2 (GRPO normalises within a group)"),
         (r.temperature > 0, "rollout.temperature must be > 0"),

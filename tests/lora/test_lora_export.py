@@ -34,9 +34,32 @@ def test_exported_adapter_loads_with_peft_and_matches_the_policy(tokenizer, tmp_
         assert torch.equal(loaded(input_ids=ids).logits, want)
         assert (bare(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapter does change the model
     assert json.loads((paths["peft"] / "adapter_config.json").read_text())["base_model_name_or_path"] == \
-        "results/warm_start/x"
+        "results/warm_start/x"  # not a local directory: kept as a model name
     # the vLLM (per-expert names) copy converts back to the same factors
     back, config = load_hf_adapter(paths["vllm"], preset, mode)
     mine = canonical_adapter(policy)
     assert set(back) == set(mine) and all(torch.equal(back[k], mine[k].float()) for k in mine)
     assert config["r"] == cfg.lora.rank
+
+
+def test_exported_base_model_resolves_from_anywhere(tokenizer, tmp_path, monkeypatch):
+    """A base model given as a path relative to the working directory is stored absolute, so the
+    adapter finds its base from wherever it is loaded; a hub name is kept as it is."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ExperimentConfig()
+    policy = apply_lora(build_model(cfg.model, tokenizer, seed=0), cfg.lora, cfg.model.preset)
+    build_model(cfg.model, tokenizer, seed=0).save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    paths = export_adapter(policy, cfg, "adapter", base_model="base")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for kind in ("peft", "vllm"):
+        stored = json.loads((tmp_path / paths[kind] / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert stored == str(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(stored)
+    PeftModel.from_pretrained(base, str(tmp_path / paths["peft"]))
+    hub = export_adapter(policy, cfg, tmp_path / "hub", base_model="Qwen/Qwen3-30B-A3B")
+    assert json.loads((hub["peft"] / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "Qwen/Qwen3-30B-A3B"

@@ -51,6 +51,7 @@ def export_adapter(policy: nn.Module, cfg, out_dir: str | Path, base_model: str 
         per_expert = replace(cfg.lora, expert_mode="per_expert")
         peft_model = apply_lora(build_model(cfg.model, build_tokenizer()), per_expert, cfg.model.preset)
         AdapterMap(peft_model).load(per_expert_canonical(canonical, num_experts))
+    base_model = resolvable_base_model(base_model) if base_model else ""
     peft_dir = out_dir / "peft"
     peft_model.save_pretrained(str(peft_dir))
     if base_model:
@@ -58,6 +59,14 @@ def export_adapter(policy: nn.Module, cfg, out_dir: str | Path, base_model: str 
     vllm_dir = save_hf_adapter(out_dir / "vllm", canonical, cfg.model.preset, num_experts, cfg.lora.rank,
                                cfg.lora.alpha, base_model)
     return {"peft": peft_dir, "vllm": vllm_dir}
+
+
+def resolvable_base_model(base_model: str | Path) -> str:
+    """The base model as an adapter's ``base_model_name_or_path`` must name it to be found from
+    wherever the adapter is loaded: a local directory by its absolute path (a path relative to the
+    repository would resolve against the loader's working directory), a hub name unchanged."""
+    local = Path(base_model).expanduser()
+    return str(local.resolve()) if local.exists() else str(base_model)
 
 
 def _set_base_model(peft_dir: Path, base_model: str) -> None:

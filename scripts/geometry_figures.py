@@ -194,7 +194,7 @@ def main() -> None:
                                                            *[b.replace("](figures/", "](../figures/") for b in body]]) + "\n")
     write_marked_section(args.results, "experiment 06", "scripts/geometry_figures.py", "\n".join([
         "## 06_routing_geometry", "",
-        "Written by `python scripts/geometry_figures.py` from the point JSONs in `results/geometry` "
+        f"Written by `python scripts/geometry_figures.py` from the point JSONs in `{args.points}` "
         "(`experiments/06_routing_geometry/run.sh`); bf16 rollout with emulated kernels vs the fp32 "
         "trainer, one batch of 16 prompts x 8 samples per point, intervals resample sequences.", "", *body]))
     print("\n".join(body))

@@ -186,17 +186,18 @@ def finished(path: Path, s: dict) -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of base.yaml (each point then sets its geometry)")
     ap.add_argument("--out", default="results/geometry")
     ap.add_argument("--only", default="", help="run the points whose name contains this string")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per point (each sampled group_size times)")
     ap.add_argument("--smoke", action="store_true", help="two tiny points, 2 prompts x 2 samples (CI)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--commit", action="store_true", help="git-commit each point's JSON as it lands")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     overrides = ["rollout.group_size=2", "rollout.max_new_tokens=6", "data.train_size=64", "data.test_size=8"] \
         if args.smoke else []
-    cfg = load_config(BASE_CONFIG, overrides)
+    cfg = load_config(BASE_CONFIG, overrides + list(args.overrides))
     torch.set_num_threads(cfg.threads or 1)
     prompts = 2 if args.smoke else args.prompts
     points = [p for p in (smoke_points() if args.smoke else ladder_points()) if args.only in p.name]

@@ -54,6 +54,7 @@ class Job:
     log: str
     command: list[str] = field(default_factory=list)
     warm_start: str | None = None  # the uncached warm-start checkpoint this run would train first
+    steps: int = 0       # trainer.steps: the heartbeat's "step k/N" and ETA
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Result:
     rc: int | None       # None: skipped
     seconds: float
     log: str
+    run_dir: str = ""
 
 
 def usable_cores() -> int:
@@ -162,7 +164,7 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
             log = out_dir / "sweep_logs" / f"{name}-seed{cfg.seed}.log"
             cmd = [] if action == "skip" else build_command(python, str(path), seed, action, threads, overrides,
                                                             run_script)
-            jobs.append(Job(name, seed, str(path), str(run_dir), action, str(log), cmd, warm))
+            jobs.append(Job(name, seed, str(path), str(run_dir), action, str(log), cmd, warm, cfg.trainer.steps))
     return experiment, out_dir, jobs
 
 
@@ -290,7 +292,99 @@ def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
         fh.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {job.action}: {' '.join(job.command)}\n")
         fh.flush()
         rc = CHILDREN.run(job.command, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=job_env(threads))
-    return Result(job.arm, job.seed, job.action, rc, time.perf_counter() - start, job.log)
+    return Result(job.arm, job.seed, job.action, rc, time.perf_counter() - start, job.log, job.run_dir)
+
+
+def run_progress(run_dir: str | Path) -> dict | None:
+    """A run's latest training row (step, reward/mean, mismatch/k3) and its mean seconds per step, read
+    from the tail of its metrics.jsonl while it trains; None before its first step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - (1 << 16)))
+            tail = fh.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    rows = []
+    for line in tail:
+        try:
+            row = json.loads(line)
+        except ValueError:  # the first (cut) line of the tail, or a line being written
+            continue
+        if isinstance(row, dict) and "step" in row and "reward/mean" in row:
+            rows.append(row)
+    if not rows:
+        return None
+    step_times = [r["time/step"] for r in rows if isinstance(r.get("time/step"), (int, float))]
+    return {**rows[-1], "seconds_per_step": sum(step_times) / len(step_times) if step_times else None}
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def heartbeat_lines(running: list[Job], total: int, finished: list[Result], n_jobs: int,
+                    elapsed: float) -> list[str]:
+    """One line per running run (step k/N, reward, k3, the run's ETA) and one for the sweep: its ETA
+    from the runs finished so far (or, before any, from the running runs' pace)."""
+    now = time.strftime("%H:%M:%S")
+    lines, run_etas, run_lengths = [], [], []
+    for job in running:
+        p = run_progress(job.run_dir)
+        if p is None:
+            lines.append(f"[sweep {now}] {job.arm} seed{job.seed}: starting (no step logged yet)")
+            continue
+        left = max(job.steps - int(p["step"]), 0) if job.steps else None
+        eta = p["seconds_per_step"] * left if p["seconds_per_step"] is not None and left is not None else None
+        run_etas.append(eta or 0.0)
+        if p["seconds_per_step"] is not None and job.steps:
+            run_lengths.append(p["seconds_per_step"] * job.steps)
+        k3 = p.get("mismatch/k3")
+        k3 = f"{k3:.2e}" if isinstance(k3, (int, float)) else "-"
+        lines.append(f"[sweep {now}] {job.arm} seed{job.seed}: step {p['step']}/{job.steps or '?'}, "
+                     f"reward {p['reward/mean']:.3f}, k3 {k3}, run ETA {_clock(eta)}")
+    done = [r for r in finished if r.rc == 0 and r.action != "warm_start"]
+    per_run = (sum(r.seconds for r in done) / len(done)) if done else \
+        (sum(run_lengths) / len(run_lengths) if run_lengths else None)
+    queued = total - len(finished) - len(running)
+    sweep_eta = None if per_run is None else (sum(run_etas) + max(queued, 0) * per_run) / max(1, min(n_jobs, total))
+    lines.append(f"[sweep {now}] {len(finished)}/{total} done, {len(running)} running, {max(queued, 0)} queued; "
+                 f"{_clock(elapsed)} elapsed, sweep ETA about {_clock(sweep_eta)}")
+    return lines
+
+
+class Heartbeat:
+    """Prints heartbeat_lines every ``every`` seconds while a runner works (0: never): a sweep of many
+    hours says how far each run is instead of staying silent until a run ends."""
+
+    def __init__(self, every: float, running, total: int, finished: list[Result], n_jobs: int):
+        self.every, self.running, self.total, self.finished, self.n_jobs = every, running, total, finished, n_jobs
+        self.stop = threading.Event()
+        self.start = time.perf_counter()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                lines = heartbeat_lines(self.running(), self.total, list(self.finished), self.n_jobs,
+                                        time.perf_counter() - self.start)
+            except Exception as err:  # noqa: BLE001 - a progress line must never stop the sweep
+                lines = [f"[sweep] heartbeat skipped: {type(err).__name__}: {err}"]
+            print("\n".join(lines), flush=True)
+
+    def __enter__(self):
+        if self.every > 0:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 def _report(done: int, total: int, r: Result) -> None:
@@ -299,11 +393,29 @@ def _report(done: int, total: int, r: Result) -> None:
     print(f"[sweep {done}/{total}] {what}: {status} in {r.seconds:.0f} s", flush=True)
 
 
-def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
-    results = []
+def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0) -> list[Result]:
+    results: list[Result] = []
+    futures = []
+    now_running: dict[str, Job] = {}  # by log path: the runs the heartbeat reports on
+    lock = threading.Lock()
+
+    def tracked(job: Job) -> Result:
+        with lock:
+            now_running[job.log] = job
+        try:
+            return execute(job, threads)
+        finally:
+            with lock:
+                now_running.pop(job.log, None)
+
+    def running() -> list[Job]:
+        with lock:
+            return [j for j in now_running.values() if j.action != "warm_start"]
+
     try:
-        with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
-            futures = [pool.submit(execute, j, threads) for j in jobs]
+        with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool, \
+                Heartbeat(heartbeat, running, len(jobs), results, n_jobs):
+            futures = [pool.submit(tracked, j) for j in jobs]
             for fut in as_completed(futures):
                 results.append(fut.result())
                 _report(len(results), len(jobs), results[-1])
@@ -315,7 +427,7 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int) -> list[Result]:
     return results
 
 
-def run_ray(jobs: list[Job], threads: int) -> list[Result]:
+def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0) -> list[Result]:
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -327,27 +439,64 @@ def run_ray(jobs: list[Job], threads: int) -> list[Result]:
         ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_cpus=threads)(execute)
     pending = {remote.remote(j, threads, os.getcwd()): j for j in jobs}
-    results = []
+    results: list[Result] = []
+    started = time.time()
+
+    def running() -> list[Job]:  # Ray runs them elsewhere: the pending runs whose metrics moved since the start
+        out = []
+        for j in list(pending.values()):
+            metrics = Path(j.run_dir) / "metrics.jsonl"
+            if j.action != "warm_start" and metrics.exists() and metrics.stat().st_mtime >= started:
+                out.append(j)
+        return out
+
+    with Heartbeat(heartbeat, running, len(jobs), results, len(jobs)):
+        _wait_ray(pending, results, len(jobs))
+    if not address:
+        ray.shutdown()
+    return results
+
+
+def _wait_ray(pending: dict, results: list[Result], total: int) -> None:
+    import ray
+
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         job = pending.pop(ready[0])
         try:
             results.append(ray.get(ready[0]))
         except Exception as err:  # a task that died (node lost, worker killed): report, keep going
-            results.append(Result(job.arm, job.seed, job.action, -1, float("nan"), f"{job.log} (ray: {err})"))
-        _report(len(results), len(jobs), results[-1])
-    if not address:
-        ray.shutdown()
-    return results
+            results.append(Result(job.arm, job.seed, job.action, -1, float("nan"), f"{job.log} (ray: {err})",
+                                  job.run_dir))
+        _report(len(results), total, results[-1])
+
+
+def run_outcome(run_dir: str) -> dict:
+    """What a finished run reached, from its summary.json: steps, reward over the last 10 steps, run-mean
+    k3, held-out pass@1 start -> end (empty when the run has no summary)."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    pass1 = [(summary.get(k) or {}).get("eval/pass1") for k in ("initial_eval", "final_eval")]
+    return {"steps": summary.get("steps"), "reward": summary.get("reward_last10"),
+            "k3": summary.get("mean/mismatch/k3"), "pass1": pass1}
 
 
 def table(results: list[Result]) -> str:
-    lines = ["arm | seed | action | status | seconds", "--- | --- | --- | --- | ---"]
+    """The summary table a sweep ends with: each run's status and time, and what it reached."""
+    lines = ["arm | seed | action | status | seconds | steps | reward (last 10) | k3 (run mean) | pass@1 start -> end",
+             "--- | --- | --- | --- | --- | --- | --- | --- | ---"]
+    num = (lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-")
     for r in sorted(results, key=lambda r: (r.action != "warm_start", r.arm, r.seed)):
         status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else f"failed rc={r.rc}")
         if r.rc == -2:
             status = f"not started: its warm start failed ({r.log})"
-        lines.append(f"{r.arm} | {'-' if r.action == 'warm_start' else r.seed} | {r.action} | {status} | {r.seconds:.0f}")
+        o = run_outcome(r.run_dir) if r.run_dir and r.action != "warm_start" else {}
+        p0, p1 = o.get("pass1", [None, None])
+        lines.append(f"{r.arm} | {'-' if r.action == 'warm_start' else r.seed} | {r.action} | {status} | "
+                     f"{r.seconds:.0f} | {o.get('steps', '-')} | {num(o.get('reward'), '.3f')} | "
+                     f"{num(o.get('k3'), '.2e')} | {num(p0, '.3f')} -> {num(p1, '.3f')}")
     return "\n".join(lines)
 
 
@@ -406,6 +555,8 @@ def sweep(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray", action="store_true", help="run as Ray tasks (RAY_ADDRESS, or a local Ray)")
     ap.add_argument("--run-script", default=str(RUN_SCRIPT), help=argparse.SUPPRESS)  # tests: a stand-in run.py
     ap.add_argument("--warm-start-script", default=str(WARM_START_SCRIPT), help=argparse.SUPPRESS)
+    ap.add_argument("--heartbeat", type=float, default=60,
+                    help="seconds between progress lines (step, reward, k3, ETA of each running run); 0: none")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = ap.parse_intermixed_args(argv)
@@ -442,19 +593,20 @@ def sweep(argv: list[str] | None = None) -> int:
         return 0
 
     start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
-    runner = (lambda js, t: run_ray(js, t)) if args.ray else (lambda js, t: run_local(js, n_jobs, t))
+    runner = (lambda js, t: run_ray(js, t, args.heartbeat)) if args.ray else \
+        (lambda js, t: run_local(js, n_jobs, t, args.heartbeat))
     # SIGTERM/SIGINT stop the runs, resumable (under Ray, Ray owns the processes of its tasks)
     with signal_handlers_restored(None if args.ray else _stop_on_signal):
         ran = runner(warm, warm_threads) if warm else []
         failed_logs = {r.log for r in ran if r.rc != 0}
         broken = {j.run_dir: j.log for j in warm if j.log in failed_logs}
         # Runs whose warm start failed are not started (each would retry it): reported as failed.
-        ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start])
+        ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start], j.run_dir)
                 for j in todo if j.warm_start in broken]
         todo = [j for j in todo if j.warm_start not in broken]
         ran += runner(todo, threads) if todo else []
     wall = time.perf_counter() - start
-    results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log) for j in jobs if j.action == "skip"]
+    results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log, j.run_dir) for j in jobs if j.action == "skip"]
     from moerl.tracking import git_sha
 
     path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(ran), "jobs": n_jobs,

@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export MOERL_REPO="${MOERL_REPO:-$PWD}"
-if ! python -c "import moerl" 2>/dev/null; then
+# The cluster environment's Python ($PYTHON, e.g. a container's or a venv's), never a bare `python`.
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import moerl" 2>/dev/null; then
     echo "error: moerl is not installed in this environment; Ray workers import it (reward, losses)." >&2
-    echo "fix: pip install --no-deps -e . (on every node, or in the shared environment)" >&2
+    echo "fix: $PY -m pip install --no-deps -e . (on every node, or in the shared environment)" >&2
     exit 1
 fi
-exec python -m moerl.verl_ext.launch "experiments/$(basename "$(dirname "$0")")" "$@"
+exec "$PY" -m moerl.verl_ext.launch "experiments/$(basename "$(dirname "$0")")" "$@"

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# Experiment 07, resumable (finished runs are skipped, interrupted ones resumed; commit results/ as runs land).
-#   launch.sh pilot               the ladder: the uncorrected arm at every rung + the fp32 control, seed 0
-#   launch.sh main RUNG [BELOW]   every mitigation arm, 3 seeds, at the threshold rung and the rung below
-#   launch.sh control             the fp32 control on 3 seeds (the regime's "control learns" check)
-# One thread per run, JOBS runs at a time (default 2 on 2 cores). Output: results/runs/07_dose_threshold/.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+# Experiment 07, resumable (finished runs are skipped, interrupted ones resumed).
+#   launch.sh pilot [key=value ...]              the ladder: the uncorrected arm at every rung + the fp32 control, seed 0
+#   launch.sh main RUNG [BELOW] [key=value ...]  every mitigation arm, 3 seeds, at the threshold rung and the rung below
+#   launch.sh control [key=value ...]            the fp32 control on 3 seeds (the regime's "control learns" check)
+#   launch.sh ARM [--seed N] [key=value ...]     one run, e.g. launch.sh tis rollout.dtype=nvfp4
+#   launch.sh --smoke [ARM] [key=value ...]      two tiny steps (default: baseline at nvfp4), under 2 minutes
+# Runs go to runs/07_dose_threshold/ (gitignored); --record writes the recorded grid in results/runs
+# (commit results/ as runs land), --out DIR elsewhere. One thread per run, JOBS runs at a time (default 2).
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here/../.."
+source scripts/launch_common.sh
+export OMP_NUM_THREADS=1
 JOBS=${JOBS:-2}
-OUT=${OUT:-results/runs}
-sweep() { "$PY" scripts/sweep.py experiments/07_dose_threshold --jobs "${JOBS}" --threads 1 --output-dir "$OUT" "$@"; }
-case "${1:-}" in
+exp=experiments/07_dose_threshold
+# key=value overrides and --options (sweep's: --dry-run, --seeds ...) go to every sweep; other words are rungs.
+overrides=() words=()
+for a in "${REST[@]+"${REST[@]}"}"; do
+  if [[ "$a" == *=* || "$a" == -* ]]; then overrides+=("$a"); else words+=("$a"); fi
+done
+sweep() { "$PY" scripts/sweep.py "$exp" --jobs "${JOBS}" --threads 1 --output-dir "$RUNS" "$@" \
+            "${overrides[@]+"${overrides[@]}"}"; }
+if [ "$SMOKE" = 1 ]; then
+  [ -n "$ARM" ] || overrides=(rollout.dtype=nvfp4 "${overrides[@]+"${overrides[@]}"}")
+  exec "$PY" scripts/run.py "$exp/arms/${ARM:-baseline}.yaml" --fresh --no-progress "tracking.output_dir=$RUNS" \
+    "${SMOKE_OVERRIDES[@]}" "${words[@]+"${words[@]}"}" "${overrides[@]+"${overrides[@]}"}"
+fi
+case "$ARM" in
   pilot)
     # One sweep per rung (a rung is an override): JOBS of them at a time, one run each.
     pilot=("--arms fp32_control --seeds 1")
@@ -22,10 +37,14 @@ case "${1:-}" in
   control)
     sweep --arms fp32_control --seeds 3 ;;
   main)
-    [[ $# -ge 2 ]] || { echo "usage: launch.sh main RUNG [BELOW]" >&2; exit 2; }
+    [[ ${#words[@]} -ge 1 ]] || { echo "usage: launch.sh main RUNG [BELOW] [key=value ...]" >&2; exit 2; }
     sweep --arms fp32_control --seeds 3
-    for rung in "${@:2}"; do
+    for rung in "${words[@]}"; do
       sweep --arms baseline,r3,tis,r3_tis,icepop,mis --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
     done ;;
-  *) echo "usage: launch.sh pilot | control | main RUNG [BELOW]" >&2; exit 2 ;;
+  "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | ARM [--seed N] | --smoke [ARM]" \
+        "[key=value ...]" >&2; exit 2 ;;
+  *)
+    [ -f "$exp/arms/$ARM.yaml" ] || { echo "error: $exp/arms/$ARM.yaml: no such arm (have: $(ls $exp/arms | sed 's/\.yaml//' | tr '\n' ' '))" >&2; exit 2; }
+    exec "$PY" scripts/run.py "$exp/arms/$ARM.yaml" "tracking.output_dir=$RUNS" "${REST[@]+"${REST[@]}"}" ;;
 esac

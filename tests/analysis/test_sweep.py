@@ -287,3 +287,54 @@ def test_sweeps_side_by_side_keep_every_entry(tmp_path):
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert len(data["invocations"]) == 24 and len(data["runs"]) == 24
     assert data["total_wall_seconds"] == 24.0
+
+
+# A stand-in run.py that trains slowly: one metrics row per step (as the trainer writes them), then a summary.
+SLOW_RUN = '''
+import json, sys, time
+from moerl.config import load_config
+args = sys.argv[1:]
+seed = int(args[args.index("--seed") + 1])
+pos = [a for a in args if not a.startswith("--") and a != str(seed)]
+cfg = load_config(pos[0], pos[1:] + [f"seed={seed}"])
+run = cfg.run_dir
+run.mkdir(parents=True, exist_ok=True)
+for step in range(1, cfg.trainer.steps + 1):
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": step, "reward/mean": 0.25 * step, "mismatch/k3": 1e-4 * step,
+                             "time/step": 0.4}) + "\\n")
+    time.sleep(0.4)
+(run / "summary.json").write_text(json.dumps({"steps": cfg.trainer.steps, "reward_last10": 0.5,
+    "mean/mismatch/k3": 2e-4, "initial_eval": {"eval/pass1": 0.25}, "final_eval": {"eval/pass1": 0.375}}))
+'''
+
+
+def test_heartbeat_reports_each_running_run_and_the_sweep(tmp_path):
+    run = tmp_path / "r3" / "seed1"
+    run.mkdir(parents=True)
+    rows = [{"step": 0, "eval/pass1": 0.3}, {"step": 1, "reward/mean": 0.5, "mismatch/k3": 3e-4, "time/step": 10.0},
+            {"step": 2, "reward/mean": 0.75, "mismatch/k3": 2e-4, "time/step": 20.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')  # mid-write
+    job = sweep.Job("r3", 1, "r3.yaml", str(run), "fresh", "log", steps=60)
+    starting = sweep.Job("tis", 0, "tis.yaml", str(tmp_path / "tis" / "seed0"), "fresh", "log2", steps=60)
+    done = [sweep.Result("baseline", 0, "fresh", 0, 600.0, "log0")]
+    lines = sweep.heartbeat_lines([job, starting], total=5, finished=done, n_jobs=2, elapsed=3725)
+    assert lines[0].endswith("r3 seed1: step 2/60, reward 0.750, k3 2.00e-04, run ETA 0:14:30")  # 58 steps x 15 s
+    assert lines[1].endswith("tis seed0: starting (no step logged yet)")
+    # 2 queued runs of 600 s and 870 s left on the running ones, over 2 parallel slots
+    assert lines[2].endswith("1/5 done, 2 running, 2 queued; 1:02:05 elapsed, sweep ETA about 0:17:15")
+
+
+def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path, capsys):
+    slow = tmp_path / "slow_run.py"
+    slow.write_text(SLOW_RUN)
+    argv = [str(EXP_DIR), "--seeds", "1", "--arms", "baseline,r3", "--jobs", "2", "--heartbeat", "0.5",
+            "--output-dir", str(tmp_path / "runs"), "--run-script", str(slow), "warm_start.enabled=false",
+            "trainer.steps=5"]
+    assert sweep.main(argv) == 0
+    text = capsys.readouterr().out
+    beats = [line for line in text.splitlines() if "trainer.steps=5 seed0: step " in line]
+    assert beats and all("/5, reward " in b and ", k3 " in b and "run ETA" in b for b in beats)
+    assert any("sweep ETA about" in line for line in text.splitlines())
+    assert "| steps | reward (last 10) | k3 (run mean) | pass@1 start -> end" in text
+    assert "| 5 | 0.500 | 2.00e-04 | 0.250 -> 0.375" in text

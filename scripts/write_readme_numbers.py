@@ -1,0 +1,229 @@
+"""Fill the generated sections of the README and the experiment READMEs from the recorded results, so
+no number there is typed by hand or goes stale.
+
+    python scripts/write_readme_numbers.py            # rewrite every generated section in place
+    python scripts/write_readme_numbers.py --check    # exit 1 naming each section whose text differs
+
+A section is the text between ``<!-- generated:NAME begin (scripts/write_readme_numbers.py) -->`` and
+``<!-- generated:NAME end -->``; everything outside the markers is prose and is left alone. Sources:
+results/runs/<experiment> (summaries, metrics, sweep.json) through moerl.analysis, results/geometry
+for 06. tests/test_readme_numbers.py runs --check, so a README that drifts from its results fails.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parent.parent
+WRITER = "scripts/write_readme_numbers.py"
+
+
+def _script(path: str, name: str):
+    """A function module that lives beside the scripts (write_results, 07's report), loaded by path."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _f(x, spec: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+# -- the experiment table -------------------------------------------------------------------------
+# (directory, question, runs on, smallest command, results link). The time column is measured: the
+# recorded sweep's wall time (sweep.json) or, for 06, the sum of its points' seconds.
+EXPERIMENTS = [
+    ("00_tiny_moe_cpu", "does router replay shrink the mismatch; what do the loss corrections act on?", "CPU",
+     "experiments/00_tiny_moe_cpu/launch.sh --smoke", "[RESULTS](results/RESULTS.md#00_tiny_moe_cpu)"),
+    ("01_kimi_k2_lora_grpo", "Kimi-K2 (1T) LoRA GRPO at scale, no replay", "8 × 8 GPUs",
+     "experiments/01_kimi_k2_lora_grpo/launch.sh --dry-run", "not executed (no GPU cluster)"),
+    ("02_kimi_k2_lora_grpo_r3", "the same with R3", "8 × 8 GPUs",
+     "experiments/02_kimi_k2_lora_grpo_r3/launch.sh --dry-run", "not executed (no GPU cluster)"),
+    ("03_qwen3_30b_a3b_lora_mitigations", "which mitigation, on Qwen3-30B-A3B", "8 GPUs",
+     "experiments/03_qwen3_30b_a3b_lora_mitigations/launch.sh --dry-run", "not executed (no GPU cluster)"),
+    ("04_moonlight_16b_a3b_r3", "R3 with the dense-first-layer mapping", "8 GPUs",
+     "experiments/04_moonlight_16b_a3b_r3/launch.sh --dry-run", "not executed (no GPU cluster)"),
+    ("05_mismatch_consequences", "do the papers' claims (collapse, failing corrections, broken R3) hold?", "CPU",
+     "experiments/05_mismatch_consequences/launch.sh --smoke", "[RESULTS](results/RESULTS.md#05_mismatch_consequences)"),
+    ("06_routing_geometry", "is the re-routed share a matter of depth, width and router state?", "CPU",
+     "experiments/06_routing_geometry/run.sh --smoke", "[RESULTS](results/RESULTS.md#06_routing_geometry)"),
+    ("07_dose_threshold", "at what rollout precision does GRPO collapse; which mitigation moves it?", "CPU",
+     "experiments/07_dose_threshold/launch.sh --smoke", "[RESULTS](results/RESULTS.md#07_dose_threshold)"),
+]
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
+
+
+def section_experiments(results: Path) -> str:
+    import json
+
+    from moerl.analysis.results import load_sweep
+
+    lines = ["| experiment | question | runs on | recorded runs, wall time | smallest command | results |",
+             "|---|---|---|---|---|---|"]
+    for name, question, where, command, link in EXPERIMENTS:
+        sweep = load_sweep(results / "runs" / name) if (results / "runs" / name).is_dir() else None
+        if sweep and sweep.get("total_wall_seconds"):
+            time = f"{len(sweep.get('runs', {}))} runs, {_hours(sweep['total_wall_seconds'])}"
+        elif name == "06_routing_geometry":
+            points = [json.loads(p.read_text()) for p in sorted((results / "geometry").glob("*.json"))]
+            points = [p for p in points if "seconds_total" in p]
+            time = f"{len(points)} points, {_hours(sum(p['seconds_total'] for p in points))}"
+        else:
+            time = "—"
+        readme = f"[{name}](experiments/{name}/README.md)"
+        lines.append(f"| {readme} | {question} | {where} | {time} | `{command}` | {link} |")
+    return "\n".join(lines)
+
+
+# -- experiment 00 ---------------------------------------------------------------------------------
+ARMS_00 = ["fp32_rollout", "baseline", "r2", "r3", "tis", "mis", "icepop", "deepseek_baseline", "deepseek_r3"]
+
+
+def section_00(runs_root: Path) -> str:
+    from moerl.analysis.results import load_sweep, run_table
+
+    wr = _script("scripts/write_results.py", "moerl_write_results")
+    exp = "00_tiny_moe_cpu"
+    runs = run_table(runs_root, exp)
+    ratios = wr.family_ratio_cells(runs)
+    per_arm = runs.assign(k3=pd.to_numeric(runs["median/mismatch/k3"], errors="coerce"),
+                          p0=pd.to_numeric(runs["initial_eval/eval/pass1"], errors="coerce"),
+                          p1=pd.to_numeric(runs["final_eval/eval/pass1"], errors="coerce"),
+                          agree=pd.to_numeric(runs["mean/routing/all_layers_agree"], errors="coerce"))
+    lines = ["| arm | k3, run median (mean of seeds) | k3 ÷ its family's baseline, same seed | tokens routed alike in "
+             "every MoE layer | held-out pass@1 (own engine), step 0 → end |", "|---|---|---|---|---|"]
+    for arm in ARMS_00:
+        a = per_arm[per_arm["arm"] == arm]
+        if a.empty:
+            continue
+        lines.append(f"| {arm} | {_f(a['k3'].mean(), '.2e')} | {ratios.get(arm, '—')} | {_f(a['agree'].mean(), '.4f')} | "
+                     f"{_f(a['p0'].mean(), '.3f')} → {_f(a['p1'].mean(), '.3f')} |")
+    sweep = load_sweep(runs_root / exp) or {}
+    ran = [i for i in sweep.get("invocations", []) if i.get("ran")]
+    n_runs, n_arms, seeds = len(runs), runs["arm"].nunique(), runs.groupby("arm")["seed"].nunique().max()
+    steps = sorted({int(s) for s in runs["steps"].dropna()})
+    wall = (f"; the sweep took {sweep['total_wall_seconds'] / 60:.1f} min of wall time "
+            f"({ran[0]['jobs']} runs at a time, {ran[0]['threads_per_job']} thread(s) each, {ran[0]['cores']} cores)"
+            if ran and sweep.get("total_wall_seconds") else "")
+    lines += ["", f"{n_runs} runs ({n_arms} arms x {seeds} seeds, {', '.join(map(str, steps))} GRPO steps each){wall}. "
+              "Mean over seeds; the ratio is the median over seeds (range in brackets)."]
+    return "\n".join(lines)
+
+
+# -- experiment 05 ---------------------------------------------------------------------------------
+def section_05(runs_root: Path) -> str:
+    from moerl.analysis import claims
+    from moerl.analysis.results import load_metrics, run_table
+
+    runs = run_table(runs_root, claims.EXPERIMENT)
+    metrics = claims.finished(load_metrics(runs_root, claims.EXPERIMENT), runs)
+    lines = ["| claim | source | reproduced |", "|---|---|---|"]
+    for c in claims.evaluate_claims(metrics, runs):
+        lines.append(f"| {c.claim} | {c.source} | **{c.verdict}** |")
+    return "\n".join(lines)
+
+
+# -- experiment 06 ---------------------------------------------------------------------------------
+def section_06(geometry: Path) -> str:
+    from moerl.analysis.geometry_report import load_points, predictions
+
+    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
+    df = load_points(geometry)
+    rows = [line for line in gf.claims_lines(df, predictions(df))[2:]]
+    lines = ["| claim | paper | verdict |", "|---|---|---|"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        lines.append(f"| {cells[0]} | {cells[1]} | {cells[3]} |")
+    return "\n".join(lines)
+
+
+# -- experiment 07 ---------------------------------------------------------------------------------
+def section_07(runs_root: Path) -> str:
+    from moerl.analysis.dose import load_runs, mismatch_order, threshold
+
+    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    runs = load_runs(runs_root)
+    ladder, control = report.ladder_rows(runs)
+    lines = ["| rung (seed 0) | k3, run median | held-out pass@1 (fp32 evaluator), start → end | collapse step |",
+             "|---|---|---|---|"]
+    for rung in mismatch_order(ladder):
+        s = ladder[rung]
+        lines.append(f"| {rung}{' (control)' if rung == 'fp32' else ''} | {_f(s['k3_median'], '.2e')} | "
+                     f"{_f(s['pass1_start'], '.3f')} → {_f(s['pass1_end'], '.3f')} | {s['collapse_step'] or '—'} |")
+    found = threshold(ladder, control) if control is not None else None
+    lines += ["", f"Threshold (lowest rung whose uncorrected run collapses while the control learns): **{found or 'none'}**."]
+    return "\n".join(lines)
+
+
+# name -> (the files that carry the section, relative to the repository; how to compute it from results/)
+SECTIONS = {
+    "experiments": (["README.md"], lambda results: section_experiments(results)),
+    "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
+    "05": (["README.md"], lambda results: section_05(results / "runs")),
+    "06": (["README.md"], lambda results: section_06(results / "geometry")),
+    "07": (["README.md"], lambda results: section_07(results / "runs")),
+}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- generated:{name} begin ({WRITER}) -->", f"<!-- generated:{name} end -->"
+
+
+def fill(text: str, name: str, body: str, path: Path) -> str:
+    begin, end = markers(name)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{path}: no generated section '{name}' (expected the line {begin} ... {end})")
+    return pattern.sub(lambda _: f"{begin}\n{body.rstrip()}\n{end}", text, count=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(REPO / "results"), help="the recorded results (runs/, geometry/)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if any section differs")
+    ap.add_argument("--only", default="", help=f"comma-separated sections (of {', '.join(SECTIONS)}; default all)")
+    ap.add_argument("--root", default=str(REPO), help="where the READMEs are (default: this repository)")
+    args = ap.parse_args(argv)
+    wanted = [n for n in args.only.split(",") if n] or list(SECTIONS)
+    unknown = [n for n in wanted if n not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"--only {args.only}: unknown section(s) {unknown} (have: {', '.join(SECTIONS)})")
+    root = Path(args.root)
+    texts: dict[Path, str] = {}
+    stale = []
+    for name in wanted:
+        files, compute = SECTIONS[name]
+        body = compute(Path(args.results))
+        for path in (root / f for f in files):
+            old = texts.get(path, path.read_text())
+            new = fill(old, name, body, path)
+            if new != old:
+                stale.append(f"{path.relative_to(root)}: section '{name}'")
+            texts[path] = new
+    if args.check:
+        if stale:
+            print("stale generated sections (run python scripts/write_readme_numbers.py):\n  " + "\n  ".join(stale))
+            return 1
+        print("every generated section matches the results")
+        return 0
+    from moerl.tracking import atomic_write_text
+
+    for path, text in texts.items():
+        if text != path.read_text():
+            atomic_write_text(path, text)
+            print(f"wrote {path.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The README is a front page whose numbers come from results/: a test fails when they drift."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("moerl_readme_numbers", REPO / "scripts" / "write_readme_numbers.py")
+numbers = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = numbers
+spec.loader.exec_module(numbers)
+
+
+@pytest.mark.slow
+def test_every_generated_section_matches_the_recorded_results(capsys):
+    assert numbers.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_a_drifted_number_is_caught_and_rewritten(tmp_path, capsys):
+    for rel in numbers.SECTIONS["00"][0]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, tmp_path / rel)
+    readme = tmp_path / "README.md"
+    text = readme.read_text()
+    begin, end = numbers.markers("00")
+    section = text[text.index(begin):text.index(end)]
+    drifted = re.sub(r"0\.71×", "0.70×", section, count=1)
+    assert drifted != section  # the R3 ratio is in the generated table
+    readme.write_text(text.replace(section, drifted))
+    assert numbers.main(["--check", "--only", "00", "--root", str(tmp_path)]) == 1
+    assert "README.md: section '00'" in capsys.readouterr().out
+    assert numbers.main(["--only", "00", "--root", str(tmp_path)]) == 0
+    assert readme.read_text() == (REPO / "README.md").read_text()
+
+
+def test_a_missing_section_is_named(tmp_path):
+    (tmp_path / "README.md").write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="README.md: no generated section 'experiments'"):
+        numbers.main(["--only", "experiments", "--root", str(tmp_path)])
+
+
+def test_front_page_stays_short_and_lists_every_experiment():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= 15 * 1024
+    table = text[text.index(numbers.markers("experiments")[0]):text.index(numbers.markers("experiments")[1])]
+    for exp in sorted(p.name for p in (REPO / "experiments").iterdir() if p.name[:2].isdigit()):
+        assert f"[{exp}](experiments/{exp}/README.md)" in table
+        launcher = next(p for p in ("launch.sh", "run.sh") if (REPO / "experiments" / exp / p).exists())
+        assert f"experiments/{exp}/{launcher}" in table
+    assert not re.search(r"\d+ passed", text)  # test counts go stale: none on the front page

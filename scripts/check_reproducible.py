@@ -84,12 +84,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="fail on any difference, float statistics included (expected to pass on the recording machine)")
     args = ap.parse_args(argv)
     experiment = Path(args.experiment)
-    run = Path(args.recorded) / experiment.name / args.arm / f"seed{args.seed}"
+    from moerl.analysis.results import run_names
+
+    runs = [Path(args.recorded) / experiment.name / name / f"seed{args.seed}" for name in run_names(args.arm)]
+    run = next((r for r in runs if r.exists()), runs[0])
     recorded = read_metrics(run / "metrics.jsonl")
     if not recorded:
         sys.exit(f"check_reproducible: no recorded run at {run} (expected metrics.jsonl)")
-    # A run named <arm>+key=value+... was made from the arm's file with those overrides.
-    arm, *name_overrides = args.arm.split("+")
+    # A run named <arm>+key-value+... (recorded before: <arm>+key=value,...) was made from the arm's
+    # file with those overrides.
+    from moerl.config import legacy_run_label
+
+    arm, _, named = legacy_run_label(args.arm).partition("+")
+    name_overrides = [o for o in named.split(",") if o]
     arm_yaml = experiment / "arms" / f"{arm}.yaml"
     if not arm_yaml.exists():
         sys.exit(f"check_reproducible: no arm config {arm_yaml}")

@@ -4,7 +4,8 @@
                             [--output-dir runs] [--debug] [key=value ...]
 
 Overrides that change what the runs compute are part of each run's name
-(``<arm>+loss.tis_cap=3.0/seed0``), so they never skip or resume the runs of the plain arms.
+(``<arm>+loss.tis_cap-3.0/seed0``: a name a shell and a glob take as it is), so they never skip or resume
+the runs of the plain arms; runs recorded under the older ``key=value,...`` spelling are still found.
 Resumable: a run whose directory holds summary.json is skipped; one with a checkpoint is continued
 with ``run.py --resume``; either only if the run was recorded with the same config (the keys that
 differ are named otherwise); anything else starts with ``run.py --fresh`` (a partial directory without a

@@ -118,7 +118,30 @@ def test_run_identity_and_name():
     same = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml", ["threads=1", "tracking.output_dir=elsewhere"])
     other = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml", ["loss.tis_cap=3.0"])
     assert config_hash(plain) == config_hash(same) and same.run_name == "00_tiny_moe_cpu/tis/seed0"
-    assert config_hash(other) != config_hash(plain) and other.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap=3.0/seed0"
+    assert config_hash(other) != config_hash(plain) and other.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap-3.0/seed0"
     assert config_diff(identity_dict(plain), identity_dict(other)) == ["loss.tis_cap: 2.0 -> 3.0"]
     many = load_config(None, [f"model.hidden_size={64 + 8 * i}" for i in range(8)])
     assert len(many.variant) < 40 and many.variant.startswith("8overrides-")
+
+
+def test_run_directory_names_take_no_quoting_and_old_names_are_still_found(tmp_path):
+    from moerl.analysis.results import load_run
+
+    arm = "experiments/07_dose_threshold/arms/tis.yaml"
+    overrides = ["rollout.dtype=nvfp4", "loss.eps_low=0.1", "model.overrides.mlp_only_layers=[0,1]",
+                 f"tracking.output_dir={tmp_path}"]
+    cfg = load_config(arm, overrides)
+    name = cfg.run_dir.parent.name
+    assert name == "tis+rollout.dtype-nvfp4+loss.eps_low-0.1+model.overrides.mlp_only_layers-_0_1_"
+    assert re.fullmatch(r"[A-Za-z0-9._+-]+", name)  # no '=', ',', brackets: a shell and a glob take it as it is
+    # a run recorded under the older name is the run of this config: found, so skipped or resumed, not redone
+    old = tmp_path / "07_dose_threshold" / "tis+rollout.dtype=nvfp4" / "seed0"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    assert load_config(arm, ["rollout.dtype=nvfp4", f"tracking.output_dir={tmp_path}"]).run_dir == old
+    for spelling in ("tis+rollout.dtype-nvfp4", "tis+rollout.dtype=nvfp4"):
+        assert load_run(tmp_path, "07_dose_threshold", spelling, 0)["reward/mean"].tolist() == [0.5]
+    # once a run exists under the new name, that one is used
+    new = tmp_path / "07_dose_threshold" / "tis+rollout.dtype-nvfp4" / "seed0"
+    new.mkdir(parents=True)
+    assert load_config(arm, ["rollout.dtype=nvfp4", f"tracking.output_dir={tmp_path}"]).run_dir == new

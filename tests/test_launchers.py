@@ -84,7 +84,7 @@ def test_dose_launcher_writes_to_runs_unless_recording():
     fresh = launch("experiments/07_dose_threshold/launch.sh", "control", "--dry-run", "trainer.steps=5")
     assert fresh.returncode == 0, fresh.stderr
     assert "tracking.output_dir=runs" in fresh.stdout and "results/runs" not in fresh.stdout
-    assert "fp32_control+trainer.steps=5 seed2: fresh" in fresh.stdout
+    assert "fp32_control+trainer.steps-5 seed2: fresh" in fresh.stdout
     recorded = launch("experiments/07_dose_threshold/launch.sh", "--record", "control", "--dry-run")
     assert "tracking.output_dir=results/runs" in recorded.stdout or "(3 finished" in recorded.stdout
 

@@ -288,8 +288,16 @@ class ExperimentConfig:
 
     @property
     def run_dir(self) -> Path:
-        """``<tracking.output_dir>/<experiment>/<arm>[+<variant>]/seed<k>``."""
-        return Path(self.tracking.output_dir) / self.run_name
+        """``<tracking.output_dir>/<experiment>/<arm>[+<variant>]/seed<k>``; a run recorded under the
+        older spelling of the same overrides (``key=value,...``) is found there, so it is skipped or
+        resumed instead of started again."""
+        path = Path(self.tracking.output_dir) / self.run_name
+        legacy = getattr(self, "legacy_variant", "")
+        if legacy and legacy != self.variant and not path.exists():
+            old = Path(self.tracking.output_dir) / self.experiment / f"{self.arm}+{legacy}" / f"seed{self.seed}"
+            if old.exists():
+                return old
+        return path
 
 
 def usable_cores() -> int:
@@ -570,18 +578,34 @@ def _has_key(data: dict, key: str) -> bool:
     return True
 
 
-def _variant(overrides: list[tuple[str, dict]]) -> str:
-    """The overrides that change what a run computes, as ``key=value,...`` (long lists hashed)."""
+def _variant(overrides: list[tuple[str, dict]], legacy: bool = False) -> str:
+    """The overrides that change what a run computes, as a directory name a shell and a glob take as it
+    is: ``key-value`` joined by ``+`` (``rollout.dtype-nvfp4+trainer.steps-5``), characters outside
+    ``[A-Za-z0-9._+-]`` replaced by ``_``; long lists hashed (the full list is in config.yaml).
+    ``legacy``: the older spelling ``key=value,...``, by which runs recorded before are still found."""
     parts = []
     for item, data in overrides:
         key = item.split("=", 1)[0].strip()
         if key in ("seed", "variant") or any(key == op or key.startswith(op + ".") for op in OPERATIONAL_KEYS):
             continue
-        parts.append(item.strip().replace("/", "_"))
-    label = ",".join(parts)
+        item = item.strip().replace("/", "_")
+        if not legacy:
+            key, _, value = item.partition("=")
+            item = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{key.strip()}-{value.strip()}")
+        parts.append(item)
+    label = ("," if legacy else "+").join(parts)
     if len(label) > 80:  # a directory name must stay short; the full list is in config.yaml
         label = f"{len(parts)}overrides-{hashlib.sha256(label.encode()).hexdigest()[:8]}"
     return label
+
+
+def legacy_run_label(label: str) -> str:
+    """``arm+key-value+key-value`` -> the older ``arm+key=value,key=value`` (and a name already in the
+    older spelling unchanged): how a loader finds a run recorded under either name."""
+    arm, _, rest = label.partition("+")
+    if not rest or "=" in rest or rest[:1].isdigit():
+        return label
+    return f"{arm}+" + ",".join(p.replace("-", "=", 1) for p in rest.split("+"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -605,13 +629,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         merged = OmegaConf.to_container(OmegaConf.create(merged), resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{layers[-1][0] if layers else 'config'}: {' '.join(str(err).split())}") from None
-    variant = _variant(parsed)
-    if variant and not any(_has_key(d, "variant") for _, d in parsed):
+    variant, legacy = _variant(parsed), _variant(parsed, legacy=True)
+    set_here = variant and not any(_has_key(d, "variant") for _, d in parsed)
+    if set_here:
+        legacy = "+".join(v for v in (merged.get("variant"), legacy) if v)
         merged["variant"] = "+".join(v for v in (merged.get("variant"), variant) if v)
     main = str(path) if path is not None else "defaults"
     try:
         cfg = from_dict(ExperimentConfig, merged)
         validate(cfg)
+        if set_here:  # not a field: how the run was named before, to find it (run_dir)
+            cfg.legacy_variant = legacy
     except ConfigKeyError as err:
         sources = [src for src, data in layers if _has_key(data, err.key)]
         raise ConfigError(f"{sources[-1] if sources else main}: {err}") from None

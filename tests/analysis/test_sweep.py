@@ -133,7 +133,7 @@ def test_plan_decides_per_run_and_validates(tmp_path):
 def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monkeypatch, capsys):
     out = tmp_path / "runs"
     exp_out = out / "00_tiny_moe_cpu"
-    v = "+trainer.steps=3"  # the override is part of every run's name (warm_start.cache_dir is not)
+    v = "+trainer.steps-3"  # the override is part of every run's name (warm_start.cache_dir is not)
     _ckpt(exp_out / f"r3{v}" / "seed1", 5)  # an interrupted run
     monkeypatch.setenv("FAKE_FAIL_ARM", "tis")
     ws = tmp_path / "ws"
@@ -206,7 +206,7 @@ def test_sweep_as_ray_tasks(tmp_path, fake_run, monkeypatch):
     assert sweep.main(argv) == 0
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # not ray.init's SIGTERM handler
     data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
-    v = "+warm_start.enabled=false"
+    v = "+warm_start.enabled-false"
     assert data["invocations"][0]["ray"] and set(data["runs"]) == {f"baseline{v}/seed0", f"r3{v}/seed0"}
     assert all((out / "00_tiny_moe_cpu" / f"{a}{v}" / "seed0" / "summary.json").exists() for a in ("baseline", "r3"))
 
@@ -245,8 +245,8 @@ def test_sweep_refuses_runs_of_another_config_and_names_override_runs(tmp_path, 
     (plain.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(plain)))
     # an override is a run of its own: the finished plain arm is neither skipped for it nor resumed
     _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}", "loss.tis_cap=3.0"], 1)
-    assert [(j.arm, j.action) for j in jobs] == [("tis+loss.tis_cap=3.0", "fresh")]
-    assert jobs[0].run_dir == str(out / "00_tiny_moe_cpu" / "tis+loss.tis_cap=3.0" / "seed0")
+    assert [(j.arm, j.action) for j in jobs] == [("tis+loss.tis_cap-3.0", "fresh")]
+    assert jobs[0].run_dir == str(out / "00_tiny_moe_cpu" / "tis+loss.tis_cap-3.0" / "seed0")
     _, _, jobs = sweep.plan(EXP_DIR, [0], ["tis"], [f"tracking.output_dir={out}"], 1)
     assert [(j.arm, j.action) for j in jobs] == [("tis", "skip")]
     # the arm file changed since the run was recorded: neither skipped nor resumed, the keys named
@@ -333,7 +333,7 @@ def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path,
             "trainer.steps=5"]
     assert sweep.main(argv) == 0
     text = capsys.readouterr().out
-    beats = [line for line in text.splitlines() if "trainer.steps=5 seed0: step " in line]
+    beats = [line for line in text.splitlines() if "trainer.steps-5 seed0: step " in line]
     assert beats and all("/5, reward " in b and ", k3 " in b and "run ETA" in b for b in beats)
     assert any("sweep ETA about" in line for line in text.splitlines())
     assert "| steps | reward (last 10) | k3 (run mean) | pass@1 start -> end" in text

@@ -79,7 +79,7 @@ CASES = [
          "a warning `<checkpoint> has no manifest.json ...: loading it unverified`", "the run resumes as before",
          "test_checkpoint_integrity.py::test_a_checkpoint_without_manifest_still_resumes"),
     Case("a run with overrides (`loss.tis_cap=3.0`) next to the plain arm", "a run of its own, "
-         "`<arm>+loss.tis_cap=3.0/seed<k>`", "the plain arm's run is neither skipped for it nor resumed",
+         "`<arm>+loss.tis_cap-3.0/seed<k>`", "the plain arm's run is neither skipped for it nor resumed",
          "test_run_cli.py::test_overrides_name_their_own_run"),
     # -- config -----------------------------------------------------------------------------------
     Case("a misspelt key in a base file / an arm file / on the command line",

@@ -60,14 +60,14 @@ def test_overrides_name_their_own_run(tmp_path):
     changed = load_config("experiments/00_tiny_moe_cpu/arms/tis.yaml",
                           [f"tracking.output_dir={tmp_path}", "threads=1", "loss.tis_cap=3.0"])
     assert plain.run_dir == tmp_path / "00_tiny_moe_cpu" / "tis" / "seed0"
-    assert changed.run_dir == tmp_path / "00_tiny_moe_cpu" / "tis+loss.tis_cap=3.0" / "seed0"
-    assert changed.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap=3.0/seed0"
+    assert changed.run_dir == tmp_path / "00_tiny_moe_cpu" / "tis+loss.tis_cap-3.0" / "seed0"
+    assert changed.run_name == "00_tiny_moe_cpu/tis+loss.tis_cap-3.0/seed0"
 
 
 def test_print_config_writes_nothing(tmp_path, capsys):
     assert run_script.main([ARM, "--print-config", "trainer.lr=0.001", f"tracking.output_dir={tmp_path}"]) is None
     text = capsys.readouterr().out
-    assert "# run directory: " + str(tmp_path / "00_tiny_moe_cpu" / "baseline+trainer.lr=0.001" / "seed0") in text
+    assert "# run directory: " + str(tmp_path / "00_tiny_moe_cpu" / "baseline+trainer.lr-0.001" / "seed0") in text
     assert "  lr: 0.001\n" in text and "# config hash: " in text
     assert not any(tmp_path.iterdir())
 

@@ -129,9 +129,25 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
     return pd.concat(frames, ignore_index=True, sort=False)
 
 
+def run_names(arm: str) -> list[str]:
+    """The directory names a run of ``arm`` (``<arm>[+<overrides>]``) may have: as written, and in the
+    other spelling of its overrides (``key-value+...`` now, ``key=value,...`` for runs recorded before)."""
+    from moerl.config import legacy_run_label
+
+    legacy = legacy_run_label(arm)
+    if legacy != arm:
+        return [arm, legacy]
+    base, _, rest = arm.partition("+")
+    if "=" in rest and "[" not in rest:
+        return [arm, base + "+" + "+".join(p.replace("=", "-", 1) for p in rest.split(","))]
+    return [arm]
+
+
 def load_run(root: str | Path, experiment: str, arm: str, seed: int) -> pd.DataFrame:
-    """The metrics of one run, or MissingRunError naming the run directory that is not there."""
-    run = Path(root) / experiment / arm / f"seed{seed}"
+    """The metrics of one run (under either spelling of its name, ``run_names``), or MissingRunError
+    naming the run directory that is not there."""
+    runs = [Path(root) / experiment / name / f"seed{seed}" for name in run_names(arm)]
+    run = next((r for r in runs if (r / "metrics.jsonl").exists()), runs[0])
     if not (run / "metrics.jsonl").exists():
         have = sorted(f"{k.arm}/seed{k.seed}" for k in find_runs(root) if k.experiment == experiment) \
             if Path(root).exists() else []

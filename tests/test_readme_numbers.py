@@ -53,3 +53,10 @@ def test_front_page_stays_short_and_lists_every_experiment():
         launcher = next(p for p in ("launch.sh", "run.sh") if (REPO / "experiments" / exp / p).exists())
         assert f"experiments/{exp}/{launcher}" in table
     assert not re.search(r"\d+ passed", text)  # test counts go stale: none on the front page
+
+
+def test_every_relative_link_of_the_front_page_resolves():
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert local and [link for link in local if not (REPO / link).exists()] == []

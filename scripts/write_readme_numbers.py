@@ -47,7 +47,7 @@ EXPERIMENTS = [
     ("02_kimi_k2_lora_grpo_r3", "the same with R3", "8 × 8 GPUs",
      "experiments/02_kimi_k2_lora_grpo_r3/launch.sh --dry-run", "not executed (no GPU cluster)"),
     ("03_qwen3_30b_a3b_lora_mitigations", "which mitigation, on Qwen3-30B-A3B", "8 GPUs",
-     "experiments/03_qwen3_30b_a3b_lora_mitigations/launch.sh --dry-run", "not executed (no GPU cluster)"),
+     "experiments/03_qwen3_30b_a3b_lora_mitigations/launch.sh --arm r3 --dry-run", "not executed (no GPU cluster)"),
     ("04_moonlight_16b_a3b_r3", "R3 with the dense-first-layer mapping", "8 GPUs",
      "experiments/04_moonlight_16b_a3b_r3/launch.sh --dry-run", "not executed (no GPU cluster)"),
     ("05_mismatch_consequences", "do the papers' claims (collapse, failing corrections, broken R3) hold?", "CPU",

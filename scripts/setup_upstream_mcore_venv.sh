@@ -15,7 +15,8 @@ VENV=${MOERL_MCORE_VENV:-$PWD/.venv-mcore}
 REQ=requirements-upstream-mcore.txt
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-  if command -v python3.12 >/dev/null; then
+  # (a pyenv shim named python3.12 exists even where 3.12 is not an active version: run it to know)
+  if python3.12 -c '' >/dev/null 2>&1; then
     PY=python3.12
   elif command -v pyenv >/dev/null && ls -d "$(pyenv root)"/versions/3.12.*/bin/python >/dev/null 2>&1; then
     PY=$(ls -d "$(pyenv root)"/versions/3.12.*/bin/python | tail -1)

@@ -2,9 +2,12 @@
 one that fails.
 
     python scripts/check_first_steps.py RUN [--experiment experiments/04_moonlight_16b_a3b_r3] [--r3]
+                                        [--checkpoint CKPT --ep N]
     RUN: a moerl run directory, a verl file-logger .jsonl, a verl console log, or wandb:ENTITY/PROJECT/RUN_ID
+    CKPT: the trainer's checkpoint of the adapter (Megatron torch_dist / DCP directory, .pt or .safetensors)
 
-The invariants, their reasons and the bf16 floors: moerl.verl_ext.first_steps.
+The invariants, their reasons and the bf16 floors: moerl.verl_ext.first_steps; the checkpoint's:
+moerl.verl_ext.checkpoint_check.
 """
 from __future__ import annotations
 
@@ -23,16 +26,30 @@ def main(argv: list[str] | None = None, api=None) -> int:
     ap.add_argument("--floor", type=float, help="override the family's step-1 k3 floor (say why in the run notes)")
     ap.add_argument("--r3-unlogged-ok", action="store_true",
                     help="accept an R3 run that logs no replay agreement (verl 0.9.1); prints that R3 was not checked")
+    ap.add_argument("--refit-undecided-ok", action="store_true",
+                    help="accept a run whose log cannot decide the refit (no refit/version, updates too small); "
+                         "prints that the refit was not checked")
+    ap.add_argument("--checkpoint", help="also check the trainer checkpoint's shared expert adapter across EP ranks")
+    ap.add_argument("--ep", type=int, help="expert-parallel size of that checkpoint (names the drifted EP ranks)")
     args = ap.parse_args(argv)
     try:
         fam, r3 = fs.family_and_r3(args.run, args.experiment)
         rows = fs.read_rows(args.run, api=api)
+        tensors = None
+        if args.checkpoint:
+            from moerl.verl_ext.checkpoint_check import read_checkpoint
+
+            tensors = read_checkpoint(args.checkpoint)
     except (fs.RunReadError, OSError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     family = args.family or fam
     verdicts = fs.check(rows, family or "?", r3=bool(args.r3 or r3), floor=args.floor,
-                        r3_unlogged_ok=args.r3_unlogged_ok)
+                        r3_unlogged_ok=args.r3_unlogged_ok, refit_undecided_ok=args.refit_undecided_ok)
+    if tensors is not None:
+        from moerl.verl_ext.checkpoint_check import check_shared_expert_copies
+
+        verdicts.append(check_shared_expert_copies(tensors, ep=args.ep))
     for v in verdicts:
         print(f"{'ok  ' if v.ok else 'FAIL'} [{v.name}] {v.detail}")
     failed = [v.name for v in verdicts if not v.ok]

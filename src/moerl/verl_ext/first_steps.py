@@ -1,22 +1,54 @@
-"""First-step invariants of a GRPO run: what must hold in steps 1-3 before a cluster run is worth
-its GPU-hours. Each failed invariant has a name and a reason.
+"""First-step invariants of a GRPO run: what must hold in its first five steps before a cluster run is
+worth its GPU-hours. Each failed invariant has a name and a reason.
 
 Read from a moerl run directory (``metrics.jsonl``), a verl file-logger ``.jsonl``
 (``{"step": n, "data": {...}}``, trainer.logger=[file]), a verl console log (``step:n - key:value -
 ...`` lines, trainer.logger=[console]) or a wandb run (``wandb:ENTITY/PROJECT/RUN_ID``); verl's
 metric names go through ``moerl.analysis.results.VERL_METRIC_MAP`` so both read the same keys.
+The trainer checkpoint's own invariant (shared expert adapter equal on every EP rank) is
+``moerl.verl_ext.checkpoint_check``.
 
 Invariants:
 
-- ``finite``: every logged number of the checked steps is finite.
+- ``finite``: every logged number of the checked steps (1-5) is finite.
 - ``k3_floor``: rollout-vs-trainer k3 at step 1 is at most the bf16 floor of the model family.
   LoRA B starts at 0, so at step 1 rollout and trainer hold the same weights and only numerics
   (bf16 kernels, reduction order) separate them. Anything above the floor is a bug: a wrong
   weight load, an adapter applied on one side only, routing replay rows on the wrong layer.
+- ``mismatch_growth``: from step 2 on LoRA B is no longer 0, so a delta that trainer and rollout
+  apply differently (a shared-expert adapter summed TP times in the trainer, copies of a shared
+  adapter that drifted apart across EP ranks) shows up, and grows with B, step after step. Healthy,
+  the median k3 of steps 2-5 stays within ``GROWTH_FACTOR`` of max(step-1 k3, bf16 floor): the
+  mismatch stays numerics. A stale refit grows k3 too (see ``refit``, which tells them apart where
+  ``refit/version`` is logged).
 - ``r3``: under R3 the replayed-routing agreement is 1.0 and no replay violation is logged.
-- ``refit``: the rollout engine serves the updated policy from step 2 on. If refit did not
-  change it, step 2's k3 carries the whole step-1 update (``actor/ppo_kl``) on top of the floor.
-  Where moerl logs ``refit/version`` it must advance each step.
+- ``refit``: the rollout engine serves the updated policy from step 2 on. Where moerl logs
+  ``refit/version`` it must advance every step: exact at any learning rate. Otherwise the rule
+  reads k3 and ``actor/ppo_kl``:
+
+  * A stale rollout (still at the step-0 weights) at step k is compared with a trainer holding the
+    weights after k-1 updates, so k3 at step k is its step-1 value f (numerics, LoRA B = 0) plus
+    KL(pi_0 || pi_{k-1}): the whole movement of the policy so far. A healthy rollout's k3 stays near f.
+  * ``actor/ppo_kl`` of step j is the mean over its m mini-batches of the KL between the step's
+    starting weights and the weights after i mini-batch updates (i = 0..m-1). A step's full movement
+    is at least twice that for any m >= 2 (updates in one direction: m^2 against (m-1)(2m-1)/6
+    mini-updates' KL; independent directions: m against (m-1)/2), and movements of successive steps
+    add at least as independent ones do. So a stale rollout has
+    k3_k - f >= ``STEP_KL_PER_PPO_KL`` * U_k, with U_k = sum of max(ppo_kl_j, 0) over j < k.
+  * Step k *decides* when half that bound, U_k, exceeds ``REFIT_BAND`` * f (the scatter a healthy
+    run's k3 may show around f; f capped at the bf16 floor, as healthy numerics are). At a deciding step the rollout looks stale when
+    k3_k - f >= U_k. The refit fails when every deciding step of steps 2-5 looks stale, passes
+    when one does not.
+  * No deciding step: the verdict fails as undecided, naming what is missing (an explicit
+    ``--refit-undecided-ok`` accepts it, as ``--r3-unlogged-ok`` does for R3).
+
+  What that means in numbers, for the GPU scale the cluster runs at (step-1 k3 f ~ 1.5e-3, the
+  R3 paper's Qwen3-30B-A3B value; ppo_kl ~ 1e-4 per step at lr 1e-5, scaling with lr^2 as a KL of
+  an Adam step does): at lr 1e-4 step 2 decides; at lr 1e-5 step 5 does (U_5 = 4e-4 >
+  0.25 * 1.5e-3); at lr 1e-6 (U_5 ~ 4e-6) nothing in k3 can: the stale rollout's whole
+  gap is a few thousandths of the numerics, so only ``refit/version`` decides there. ppo_kl measures
+  the update only when a step has m >= 2 mini-batches (verl: ppo_mini_batch_size < train_batch_size);
+  with one, U stays ~0 and the verdict is undecided.
 
 The floors (``BF16_K3_FLOOR``) come from measured CPU runs, not from one machine's error: the
 largest step-1 k3 over every bf16 arm and seed of experiment 00 (results/runs/00_tiny_moe_cpu;
@@ -25,6 +57,9 @@ not 05, which injects mismatches on purpose) for that family, times
 Those are tiny models on CPU kernels; a large model on GPU kernels has its own floor, which is why
 the margin is a factor of 4 and ``--floor`` overrides it. Published GPU values sit below these
 floors (R3 paper, arXiv 2510.11370: k3 ~1.5e-3 on Qwen3-30B-A3B over a whole run without R3).
+``GROWTH_FACTOR`` is a registered 2; experiment 00's healthy runs stay below it with the same margin
+(``derive_growth_factor``, checked by a test). ``REFIT_BAND`` is an assumption about GPU runs, not a
+measurement: no GPU run has been made.
 """
 from __future__ import annotations
 
@@ -41,8 +76,14 @@ from moerl.analysis.results import map_verl_metrics
 FLOOR_MARGIN = 4.0
 # max step-1 k3 of experiment 00's bf16 arms (3 seeds each) x FLOOR_MARGIN, one significant digit up
 BF16_K3_FLOOR = {"qwen3_moe": 4e-3, "deepseek_v3": 2e-2}
-REFIT_DRIFT_SHARE = 0.5  # a stale rollout shows at least half the step-1 update as step-2 k3
-CHECK_STEPS = (1, 2, 3)
+CHECK_STEPS = (1, 2, 3, 4, 5)
+GROWTH_STEPS = (2, 3, 4, 5)
+# mismatch_growth's limit: median k3 of steps 2-5 <= GROWTH_FACTOR x max(step-1 k3, floor). Registered at 2
+# (a healthy run's numerics do not double in four small steps); experiment 00's largest ratio times
+# FLOOR_MARGIN (derive_growth_factor: 0.9) stays below it, which a test checks.
+GROWTH_FACTOR = 2.0
+STEP_KL_PER_PPO_KL = 2.0  # a step's KL is at least twice its logged ppo_kl (m >= 2 mini-batches)
+REFIT_BAND = 0.25  # assumed relative scatter of a healthy GPU run's k3 around its step-1 value
 R3_AGREEMENT = "routing/replayed_agreement"
 R3_VIOLATIONS = ("replay/violations", "replay/old_pass_violations")
 
@@ -154,6 +195,34 @@ def derive_floors(root: str | Path, margin: float = FLOOR_MARGIN) -> dict[str, f
     return {f: _round_up(v * margin) for f, v in worst.items()}
 
 
+def derive_growth_factor(root: str | Path, margin: float = FLOOR_MARGIN,
+                         floors: dict[str, float] | None = None) -> float:
+    """Max over every bf16-rollout run under ``root`` of the ``mismatch_growth`` ratio (median k3 of
+    steps 2-5 over max(step-1 k3, the family's floor)), times ``margin``, rounded up."""
+    floors = BF16_K3_FLOOR if floors is None else floors
+    worst = 0.0
+    for cfg_path in Path(root).glob("**/config.yaml"):
+        cfg = yaml.safe_load(cfg_path.read_text()) or {}
+        if (cfg.get("rollout") or {}).get("dtype") != "bf16" or not (cfg_path.parent / "metrics.jsonl").exists():
+            continue
+        ratio = _growth_ratio(by_step(read_rows(cfg_path.parent)), floors.get((cfg.get("model") or {}).get("preset")))
+        if ratio is not None:
+            worst = max(worst, ratio[0])
+    return _round_up(worst * margin)
+
+
+def _growth_ratio(steps: dict[int, dict], floor: float | None) -> tuple[float, float, float] | None:
+    """(median k3 of steps 2-5 / reference, the median, the reference = max(step-1 k3, floor))."""
+    k3_1 = steps.get(1, {}).get("mismatch/k3")
+    later = [steps[s]["mismatch/k3"] for s in GROWTH_STEPS if "mismatch/k3" in steps.get(s, {})]
+    if k3_1 is None or len(later) < 2:
+        return None
+    ref = max(k3_1, floor or 0.0)
+    med = float(sorted(later)[(len(later) - 1) // 2]) if len(later) % 2 else \
+        float(sum(sorted(later)[len(later) // 2 - 1: len(later) // 2 + 1]) / 2)
+    return med / ref, med, ref
+
+
 def _round_up(x: float) -> float:
     e = math.floor(math.log10(x))
     return float(f"{math.ceil(x / 10 ** e)}e{e}")
@@ -162,7 +231,7 @@ def _round_up(x: float) -> float:
 # ---- the invariants -----------------------------------------------------------------------------
 
 def check(rows: list[dict], family: str, r3: bool, floor: float | None = None,
-          r3_unlogged_ok: bool = False) -> list[Verdict]:
+          r3_unlogged_ok: bool = False, refit_undecided_ok: bool = False) -> list[Verdict]:
     """Every invariant on a run's first steps."""
     steps = by_step(rows)
     floor = BF16_K3_FLOOR.get(family) if floor is None else floor
@@ -187,10 +256,27 @@ def check(rows: list[dict], family: str, r3: bool, floor: float | None = None,
                                           "hold the same model, so the gap is not numerics; look for weights loaded "
                                           "differently, an adapter on one side only, or replay rows on the wrong layer")))
 
+    out.append(_growth(steps, floor))
     if r3:
         out.append(_r3(steps, r3_unlogged_ok))
-    out.append(_refit(steps, floor))
+    out.append(_refit(steps, floor, refit_undecided_ok))
     return out
+
+
+def _growth(steps: dict[int, dict], floor: float | None) -> Verdict:
+    ratio = _growth_ratio(steps, floor)
+    if ratio is None:
+        return Verdict("mismatch_growth", False, "needs rollout-vs-trainer k3 (rollout_corr/k3_kl) at step 1 and at "
+                                                 "two or more of steps 2-5; run at least 3 steps")
+    r, med, ref = ratio
+    ok = r <= GROWTH_FACTOR
+    return Verdict("mismatch_growth", ok,
+                   f"median k3 of steps 2-5 {med:.3g} is {r:.3g}x max(step-1 k3, floor) {ref:.3g} "
+                   f"({'<=' if ok else '>'} {GROWTH_FACTOR:g}x)" + ("" if ok else
+                   ": once LoRA B != 0 the trainer and the rollout compute different models. Look for an adapter "
+                   "delta applied differently on the two sides (a shared-expert LoRA summed over TP ranks, copies "
+                   "of a shared expert adapter that drifted across EP ranks: scripts/check_first_steps.py "
+                   "--checkpoint) or a rollout that keeps old weights (refit)"))
 
 
 def _r3(steps: dict[int, dict], unlogged_ok: bool) -> Verdict:
@@ -209,23 +295,48 @@ def _r3(steps: dict[int, dict], unlogged_ok: bool) -> Verdict:
                    f"replayed agreement 1.0 and no violations at steps {sorted(agree)}")
 
 
-def _refit(steps: dict[int, dict], floor: float | None) -> Verdict:
-    s1, s2 = steps.get(1, {}), steps.get(2, {})
-    if "refit/version" in s1 and "refit/version" in s2 and not s2["refit/version"] > s1["refit/version"]:
-        return Verdict("refit", False, f"refit/version did not advance from step 1 to 2 "
-                                       f"({s1['refit/version']} -> {s2['refit/version']}): the rollout kept the old weights")
-    k3_2, drift = s2.get("mismatch/k3"), s1.get("loss/ppo_kl")
-    if k3_2 is None or drift is None or floor is None:
-        return Verdict("refit", False, "needs step-2 k3 (rollout_corr/k3_kl) and step-1 actor/ppo_kl; run at "
-                                       "least 2 steps")
-    if drift <= floor:
-        return Verdict("refit", True, f"undecided: step 1 moved the policy by ppo_kl {drift:.3g}, within the floor "
-                                      f"{floor:.3g}, so a stale rollout would not show (not a failure)")
-    stale = k3_2 > floor and k3_2 >= REFIT_DRIFT_SHARE * drift
-    return Verdict("refit", not stale,
-                   f"step-2 k3 {k3_2:.3g} vs step-1 update ppo_kl {drift:.3g}: " +
-                   ("the rollout still samples from the step-0 weights (k3 carries the update); check the weight "
-                    "sync / adapter reload" if stale else "the rollout follows the updated policy"))
+def _refit(steps: dict[int, dict], floor: float | None = None, undecided_ok: bool = False) -> Verdict:
+    checked = [s for s in CHECK_STEPS if s in steps]
+    versions = [(s, steps[s]["refit/version"]) for s in checked if "refit/version" in steps[s]]
+    if len(versions) >= 2:
+        stuck = [f"{a}->{b} ({va} -> {vb})" for (a, va), (b, vb) in zip(versions, versions[1:]) if not vb > va]
+        if stuck:
+            return Verdict("refit", False, f"refit/version did not advance from step {', '.join(stuck)}: the rollout "
+                                           f"kept the old weights")
+        return Verdict("refit", True, f"refit/version advanced every step ({versions[0][1]:g} -> {versions[-1][1]:g})")
+    k3_1 = steps.get(1, {}).get("mismatch/k3")
+    if k3_1 is None:
+        return _undecided("step 1 logs no rollout-vs-trainer k3 (rollout_corr/k3_kl)", undecided_ok)
+    # the scatter of healthy numerics cannot exceed the floor's: an abnormal step 1 (k3_floor) does not widen it
+    band = REFIT_BAND * (min(k3_1, floor) if floor else k3_1)
+    moved, deciding = 0.0, []
+    for k in range(2, max(CHECK_STEPS) + 1):
+        kl = steps.get(k - 1, {}).get("loss/ppo_kl")
+        if kl is None or not math.isfinite(kl):
+            break
+        moved += max(kl, 0.0)  # U_k: summed ppo_kl of the steps before k
+        k3 = steps.get(k, {}).get("mismatch/k3")
+        if k3 is None:
+            break
+        if moved > band:  # half the stale bound (STEP_KL_PER_PPO_KL * U_k) clears the band
+            deciding.append((k, k3 - k3_1, moved))
+    if not deciding:
+        return _undecided(f"no step of 2-{max(CHECK_STEPS)} moved the policy enough to tell: summed ppo_kl {moved:.3g} "
+                          f"<= the band {band:.3g} ({REFIT_BAND:g} x step-1 k3, at most x floor) (a stale rollout's extra k3 would hide in the "
+                          f"scatter; ppo_kl counts only with >= 2 mini-batches per step)", undecided_ok)
+    stale = [(k, gap, u) for k, gap, u in deciding if gap >= u]
+    detail = "; ".join(f"step {k}: k3 - step-1 k3 = {gap:.3g} vs stale bound {STEP_KL_PER_PPO_KL * u:.3g}"
+                       for k, gap, u in deciding[:3])
+    if len(stale) == len(deciding):
+        return Verdict("refit", False, f"{detail}: the rollout still samples from the step-0 weights (its gap to the "
+                                       f"trainer carries every update so far); check the weight sync / adapter reload")
+    return Verdict("refit", True, f"{detail}: the rollout follows the updated policy")
+
+
+def _undecided(why: str, ok: bool) -> Verdict:
+    return Verdict("refit", ok, f"undecided: {why}; log refit/version to decide at any learning rate"
+                   + ("; accepted by --refit-undecided-ok, the refit was NOT checked" if ok else
+                      "; pass --refit-undecided-ok to accept the run without this check"))
 
 
 def family_and_r3(run: str | Path, experiment: str | Path | None = None) -> tuple[str | None, bool | None]:

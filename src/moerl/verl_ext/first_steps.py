@@ -66,6 +66,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,8 +219,7 @@ def _growth_ratio(steps: dict[int, dict], floor: float | None) -> tuple[float, f
     if k3_1 is None or len(later) < 2:
         return None
     ref = max(k3_1, floor or 0.0)
-    med = float(sorted(later)[(len(later) - 1) // 2]) if len(later) % 2 else \
-        float(sum(sorted(later)[len(later) // 2 - 1: len(later) // 2 + 1]) / 2)
+    med = float(statistics.median(later))
     return med / ref, med, ref
 
 
@@ -318,15 +318,17 @@ def _refit(steps: dict[int, dict], floor: float | None = None, undecided_ok: boo
         k3 = steps.get(k, {}).get("mismatch/k3")
         if k3 is None:
             break
-        if moved > band:  # half the stale bound (STEP_KL_PER_PPO_KL * U_k) clears the band
-            deciding.append((k, k3 - k3_1, moved))
+        half_bound = STEP_KL_PER_PPO_KL * moved / 2  # half of what a stale rollout adds at least
+        if half_bound > band:
+            deciding.append((k, k3 - k3_1, half_bound))
     if not deciding:
-        return _undecided(f"no step of 2-{max(CHECK_STEPS)} moved the policy enough to tell: summed ppo_kl {moved:.3g} "
-                          f"<= the band {band:.3g} ({REFIT_BAND:g} x step-1 k3, at most x floor) (a stale rollout's extra k3 would hide in the "
-                          f"scatter; ppo_kl counts only with >= 2 mini-batches per step)", undecided_ok)
-    stale = [(k, gap, u) for k, gap, u in deciding if gap >= u]
-    detail = "; ".join(f"step {k}: k3 - step-1 k3 = {gap:.3g} vs stale bound {STEP_KL_PER_PPO_KL * u:.3g}"
-                       for k, gap, u in deciding[:3])
+        return _undecided(f"no step of 2-{max(CHECK_STEPS)} moved the policy enough to tell: summed ppo_kl "
+                          f"{moved:.3g} against the band {band:.3g} ({REFIT_BAND:g} x step-1 k3, capped at the floor): "
+                          f"a stale rollout's extra k3 would hide in the scatter (ppo_kl counts only with >= 2 "
+                          f"mini-batches per step)", undecided_ok)
+    stale = [(k, gap, half) for k, gap, half in deciding if gap >= half]
+    detail = "; ".join(f"step {k}: k3 - step-1 k3 = {gap:.3g} vs stale bound {2 * half:.3g}"
+                       for k, gap, half in deciding[:3])
     if len(stale) == len(deciding):
         return Verdict("refit", False, f"{detail}: the rollout still samples from the step-0 weights (its gap to the "
                                        f"trainer carries every update so far); check the weight sync / adapter reload")

@@ -26,7 +26,7 @@ def _run(tmp_path, fault: bool):
     keep = ("trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.samples_every")
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith(keep)] + [
         "trainer.steps=5", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.samples_every=0",
-        "lora.expert_mode=shared", "loss.entropy_coef=0.05", "trainer.lr=0.01"]
+        "lora.expert_mode=shared", "loss.entropy_coef=0.05", "trainer.lr=0.02"]
     cfg = load_config("experiments/00_tiny_moe_cpu/arms/deepseek_baseline.yaml", overrides)
     trainer = GRPOTrainer(cfg, tmp_path / "run", progress=False)
     if fault:  # the trainer's copy only: the engine was copied at construction and gets plain refits

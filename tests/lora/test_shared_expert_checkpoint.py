@@ -104,6 +104,18 @@ def test_checkpoint_check_reads_files_and_refuses_what_it_cannot_check(tmp_path)
     assert not bad.ok and "expert slots 1 differ from slot 0, max |diff| 0.001" in bad.detail
     nothing = check_shared_expert_copies({"decoder.layers.0.self_attention.linear_qkv.weight": same})
     assert not nothing.ok and "no shared expert adapter" in nothing.detail
+    # through the checker's command line, beside a healthy run's log
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("check_first_steps", repo / "scripts" / "check_first_steps.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    run = str(repo / "results" / "runs" / "00_tiny_moe_cpu" / "baseline" / "seed1")
+    assert cli.main([run, "--checkpoint", str(tmp_path / "ok.safetensors")]) == 0
+    assert cli.main([run, "--checkpoint", str(tmp_path / "bad.pt"), "--ep", "2"]) == 1
+    assert cli.main([run, "--checkpoint", str(tmp_path / "absent.pt")]) == 2
     for missing in (tmp_path / "absent.pt", tmp_path):
         try:
             read_checkpoint(missing)

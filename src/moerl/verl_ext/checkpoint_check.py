@@ -38,7 +38,8 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         raise RunReadError(f"{p}: no such checkpoint (give a torch_dist / DCP directory, a .pt or a .safetensors file)")
     if p.is_dir():
         if not (p / ".metadata").exists():
-            raise RunReadError(f"{p}: not a distributed checkpoint (no .metadata; Megatron's torch_dist format has one)")
+            raise RunReadError(f"{p}: not a distributed checkpoint (no .metadata; Megatron's torch_dist format "
+                               f"has one)")
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -36,9 +36,9 @@ Invariants:
     add at least as independent ones do. So a stale rollout has
     k3_k - f >= ``STEP_KL_PER_PPO_KL`` * U_k, with U_k = sum of max(ppo_kl_j, 0) over j < k.
   * Step k *decides* when half that bound, U_k, exceeds ``REFIT_BAND`` * f (the scatter a healthy
-    run's k3 may show around f; f capped at the bf16 floor, as healthy numerics are). At a deciding step the rollout looks stale when
-    k3_k - f >= U_k. The refit fails when every deciding step of steps 2-5 looks stale, passes
-    when one does not.
+    run's k3 may show around f; f capped at the bf16 floor, as healthy numerics are). At a deciding
+    step the rollout looks stale when k3_k - f >= U_k. The refit fails when every deciding step of
+    steps 2-5 looks stale, passes when one does not.
   * No deciding step: the verdict fails as undecided, naming what is missing (an explicit
     ``--refit-undecided-ok`` accepts it, as ``--r3-unlogged-ok`` does for R3).
 

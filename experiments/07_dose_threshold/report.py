@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from moerl.analysis.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
                         RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
                         threshold, threshold_shift)
-from moerl.analysis.plots import save  # noqa: E402
+from moerl.analysis.plots import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
 from moerl.analysis.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402
@@ -353,7 +353,7 @@ def figure(runs: list[dict], path: Path) -> None:
     fig, (ax_k3, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
     x = range(len(order))
     low = [i for i, r in zip(x, order) if r != "fp32"]
-    ax_k3.semilogy(low, [ladder[order[i]]["k3_median"] for i in low], "o-", color="tab:red")
+    ax_k3.semilogy(low, [ladder[order[i]]["k3_median"] for i in low], "o-", color=arm_color("baseline"))
     if "fp32" in order:
         ax_k3.annotate("no mismatch\n(k3 = 0 up to\nfp32 round-off)", (0, 0.5), xycoords=("data", "axes fraction"),
                        ha="center", fontsize=8)
@@ -362,13 +362,13 @@ def figure(runs: list[dict], path: Path) -> None:
     for r_i, r in zip(x, order):
         s = ladder[r]
         gain = (s["pass1_end"] or 0) - (s["pass1_start"] or 0)
-        ax_acc.bar(r_i, gain, color="tab:gray" if r == "fp32" else "tab:blue")
+        ax_acc.bar(r_i, gain, color=arm_color("fp32_control" if r == "fp32" else "baseline"))
         if s["collapse_step"] is not None:
             ax_acc.annotate(f"collapsed\nstep {s['collapse_step']}", (r_i, gain), ha="center", va="bottom", fontsize=8)
     controls = [r["pass1_end"] - r["pass1_start"] for r in runs if r["arm"] == "fp32_control"
                 and r["steps"] == r["steps_planned"] and r["pass1_end"] is not None]
     if controls:
-        ax_acc.axhspan(min(controls), max(controls), color="tab:orange", alpha=0.5, lw=0, zorder=3,
+        ax_acc.axhspan(min(controls), max(controls), color=arm_color("fp32_control"), alpha=0.25, lw=0, zorder=3,
                        label=f"fp32 control, {len(controls)} seed(s): min-max")
         ax_acc.legend(loc="lower left", fontsize=8)
     if control is not None:
@@ -406,7 +406,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
         for i, name in enumerate(names):
             values = baseline if name == "baseline" else g["arms"][name]["minus_control"]
             ys = list(values.values())
-            ax.scatter([i] * len(ys), ys, color="tab:red" if name == "baseline" else "tab:blue", zorder=3)
+            ax.scatter([i] * len(ys), ys, color=arm_color(name), zorder=3)
             if ys:
                 ax.hlines(sum(ys) / len(ys), i - 0.25, i + 0.25, color="k", lw=1)
         ax.axhline(0, color="k", lw=0.6)

@@ -153,3 +153,22 @@ def test_zeros_stay_on_a_log_panel_and_an_outlier_arm_does_not_set_the_scale():
     assert fig.axes[0].get_yscale() == "symlog" and fig.axes[0].get_ylim()[0] == 0
     assert plots._outliers({"a": 1.0, "b": 1.2, "bug": 900.0}) == {"bug"}
     assert plots._outliers({"a": 1.0, "b": 1.2, "c": 2.0}) == set()
+
+
+def test_a_run_with_overrides_takes_its_base_arms_colour_and_its_rung_a_line_style():
+    fp8, nvfp4 = "mis+rollout.dtype=fp8", "mis+rollout.dtype=nvfp4"
+    assert plots.base_arm(fp8) == "mis" and plots.run_variant(fp8) == "rollout.dtype=fp8"
+    assert plots.arm_color(fp8) == plots.arm_color(nvfp4) == plots.ARM_COLORS["mis"]
+    assert plots.arm_color("r3_tis+rollout.dtype=fp8") == plots.ARM_COLORS["r3_tis"] != plots.ARM_COLORS["r3"]
+    assert plots.arm_color("fp32_control") == plots.arm_color("fp32_rollout")
+    assert plots.arm_color("mis_geometric") == plots.ARM_COLORS["mis"]  # a name extending a known arm keeps its hue
+    # the rung is told apart by line style and marker, the same rung alike in every arm
+    assert plots.arm_style(fp8)["ls"] != plots.arm_style(nvfp4)["ls"]
+    assert plots.arm_style(fp8)["marker"] != plots.arm_style(nvfp4)["marker"]
+    assert plots.arm_style("baseline+rollout.dtype=fp8")["ls"] == plots.arm_style(fp8)["ls"]
+    assert plots.arm_style("mis")["ls"] == "-"
+    fig = plots.curves(_frame([fp8, nvfp4, "baseline"]), [("mismatch/k3", "k3")], "t")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert mcolors.to_rgba(lines[fp8].get_color()) == mcolors.to_rgba(lines[nvfp4].get_color()) \
+        == mcolors.to_rgba(plots.ARM_COLORS["mis"])
+    assert lines[fp8].get_linestyle() != lines[nvfp4].get_linestyle()

@@ -28,8 +28,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 # One colour per arm, the same in every figure of every experiment. Related arms share a hue
 # family (replay: blues, corrections: greens/olive, DeepSeek-V3 preset: reds, LoRA/refit: purples).
+# The colour belongs to the base arm: a run named ``<arm>+<overrides>`` (a rung of a dose ladder,
+# a setting swept) takes its arm's colour and tells its variant by line style and marker
+# (:func:`arm_style`).
 ARM_COLORS = {
     "fp32_rollout": "#000000",
+    "fp32_control": "#000000",  # experiment 07's name for the fp32 rollout (no mismatch)
     "baseline": "#7f7f7f",
     "r2": "#9ecae1",
     "r3": "#1f77b4",
@@ -49,6 +53,12 @@ ARM_COLORS = {
     "refit_merged": "#e377c2",
 }
 _FALLBACK = plt.cm.tab20.colors
+
+# Rollout precisions in the order of the mismatch they cause (experiment 07's ladder): a run's
+# ``rollout.dtype`` override takes the line style and marker of its place here, in every figure.
+PRECISIONS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")
+VARIANT_LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)))
+VARIANT_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 # Axis labels and scales of the metrics a figure may draw.
 METRIC_LABELS = {
@@ -78,13 +88,48 @@ LOG_METRICS = {"mismatch/k3", "mismatch/k3_max", "mismatch/dp_max", "mismatch/ex
                "refit/seconds"}
 
 
+def base_arm(run: str) -> str:
+    """The arm a run name belongs to: the name before its first ``+`` (``tis+rollout.dtype=fp8`` ->
+    ``tis``). A name that only extends a known arm (``mis_geometric``) belongs to that arm."""
+    arm = run.split("+", 1)[0]
+    if arm in ARM_COLORS:
+        return arm
+    stems = [a for a in ARM_COLORS if arm.startswith(a + "_")]
+    return max(stems, key=len) if stems else arm
+
+
+def run_variant(run: str) -> str:
+    """What a run name adds to its arm: the overrides after the first ``+`` ('' for a plain arm)."""
+    return run.partition("+")[2]
+
+
 def arm_color(arm: str):
-    """The arm's fixed colour; an arm not in ARM_COLORS gets a colour derived from its name, so it
-    is also the same in every figure."""
+    """The colour of a run's base arm (:func:`base_arm`), the same in every figure; an arm not in
+    ARM_COLORS gets a colour derived from its name, so it is also the same everywhere."""
+    arm = base_arm(arm)
     if arm in ARM_COLORS:
         return ARM_COLORS[arm]
     digest = int(hashlib.sha1(arm.encode()).hexdigest(), 16)
     return _FALLBACK[digest % len(_FALLBACK)]
+
+
+def _variant_index(variant: str) -> int:
+    """0 for no variant; a rollout precision by its place in PRECISIONS; any other variant by a hash
+    of its text (stable across figures)."""
+    if not variant:
+        return 0
+    settings = dict(part.split("=", 1) for part in variant.split(",") if "=" in part)
+    dtype = settings.get("rollout.dtype")
+    if dtype in PRECISIONS:
+        return PRECISIONS.index(dtype)
+    return 1 + int(hashlib.sha1(variant.encode()).hexdigest(), 16) % (len(VARIANT_LINESTYLES) - 1)
+
+
+def arm_style(run: str) -> dict:
+    """Matplotlib style of a run name: its base arm's colour, its variant's line style and marker
+    (the plain arm: solid, circles)."""
+    i = _variant_index(run_variant(run))
+    return {"color": arm_color(run), "ls": VARIANT_LINESTYLES[i], "marker": VARIANT_MARKERS[i]}
 
 
 @dataclass
@@ -222,7 +267,7 @@ def curves(df: pd.DataFrame, panels: list[tuple[str, str]], title: str, smooth: 
         for arm in arms:
             sub = df[df["arm"] == arm]
             if key in sub:
-                _band(ax, sub, key, arm, smooth=smooth, color=arm_color(arm), lw=1.4)
+                _band(ax, sub, key, arm, smooth=smooth, color=arm_color(arm), ls=arm_style(arm)["ls"], lw=1.4)
                 if key == "reward/mean":
                     _collapse_marks(ax, sub, arm, smooth)
         ax.set_title(name, fontsize=10)
@@ -260,7 +305,8 @@ def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None, paper
         positive = per_seed.values[per_seed.values > 0]
         if positive.size:
             floor = positive.min() if floor is None else min(floor, positive.min())
-        ax.plot(taus, mean, marker="o", color=arm_color(arm), label=arm, lw=1.5)
+        style = arm_style(arm)
+        ax.plot(taus, mean, marker=style["marker"], ls=style["ls"], color=style["color"], label=arm, lw=1.5)
         for row in per_seed.values:
             ax.scatter(taus, row, s=8, color=arm_color(arm), alpha=0.45)
         for ref in paper or []:
@@ -317,7 +363,8 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
             if float(center.median()) < FLOOR_RATIO:
                 notes.append(f"{arm}: ~{float(center.median()):.0e}× {ref} (numerical floor, not drawn)")
                 continue
-            line, = ax.plot(center.index, center.values, color=arm_color(arm), lw=1.4, label=f"{arm} / {ref}")
+            line, = ax.plot(center.index, center.values, color=arm_color(arm), ls=arm_style(arm)["ls"], lw=1.4,
+                            label=f"{arm} / {ref}")
             if ratio.shape[1] > 1:
                 ax.fill_between(ratio.index, ratio.min(axis=1), ratio.max(axis=1), color=line.get_color(), alpha=0.15)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")

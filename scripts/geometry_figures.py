@@ -170,7 +170,10 @@ def main() -> None:
     ap.add_argument("--figures", default="results/figures")
     ap.add_argument("--results", default="results/RESULTS.md")
     args = ap.parse_args()
-    df = load_points(args.points)
+    try:
+        df = load_points(args.points)
+    except FileNotFoundError as err:
+        raise SystemExit(f"geometry_figures: {err}") from None
     figs = Path(args.figures)
     figs.mkdir(parents=True, exist_ok=True)
     figure_ladders(df).savefig(figs / "06_routing_geometry_ladders.png", dpi=110, bbox_inches="tight")

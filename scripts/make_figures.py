@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     out = Path(args.out)
     try:
         df = load_metrics(args.runs)
+        runs = load_summaries(args.runs)
     except MissingRunError as err:
         sys.exit(f"make_figures: {err}")
-    runs = load_summaries(args.runs)
     # Finished runs only: a run still going (a sweep in progress) would draw a partial curve.
     done = set(zip(runs["experiment"], runs["arm"], runs["seed"]))
     df = df[[k in done for k in zip(df["experiment"], df["arm"], df["seed"])]]

@@ -4,8 +4,8 @@
                                     [--experiment 00_tiny_moe_cpu] [--arms baseline,r3] [NOTEBOOK ...]
 
 Runs each notebook (default: every analysis/*.ipynb) top to bottom with nbclient in this
-interpreter's kernel (the repo's venv), with $MOERL_RESULTS / $MOERL_EXPERIMENT / $MOERL_ARMS set
-from the options, and writes the executed copy to --out; the notebooks in analysis/ stay
+interpreter's kernel (the repo's venv), from the notebook's own directory (analysis/, as nbconvert
+runs it), with $MOERL_RESULTS / $MOERL_EXPERIMENT / $MOERL_ARMS set from the options, and writes the executed copy to --out; the notebooks in analysis/ stay
 output-free. Equivalent by hand, from the venv (requirements.txt installs nbconvert):
 `.venv/bin/jupyter nbconvert --to notebook --execute analysis/NAME.ipynb` with the same environment variables.
 """
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             print(f"running {path.name} ...", flush=True)
             try:
                 NotebookClient(nb, timeout=args.timeout, kernel_name=kernel,
-                               resources={"metadata": {"path": str(REPO)}}).execute()
+                               resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
             except CellExecutionError as err:
                 sys.exit(f"run_notebooks: {path.name} failed: {str(err).strip().splitlines()[-1]}")
             target = out_dir / path.name

@@ -47,18 +47,48 @@ def test_notebooks_exist_and_are_stripped():
                 assert not cell.outputs and cell.execution_count is None, f"{path}: outputs not stripped"
 
 
+def _execute(path: Path, kernel_name: str) -> list:
+    """Run the notebook as `jupyter nbconvert --execute` does: from its own directory, analysis/ (a
+    relative path in it must not depend on being started from the repository root)."""
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name=kernel_name,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    return nb
+
+
+def _answer(nb) -> str:
+    """The text of the notebook's last cell: a code cell stating the answer computed from the data."""
+    last = nb.cells[-1]
+    assert last.cell_type == "code", "the last cell must compute the answer, not describe an expectation"
+    return json.dumps([o.get("data", {}).get("text/markdown", "") for o in last.outputs])
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_on_fixture(path, kernel_name, monkeypatch):
+def test_notebook_runs_from_analysis_and_ends_with_its_answer(path, kernel_name, monkeypatch):
     monkeypatch.setenv("MOERL_RESULTS", str(FIXTURE_RUNS_BY_NOTEBOOK.get(path.stem, FIXTURE_RUNS)))
     monkeypatch.setenv("MOERL_REFIT", str(FIXTURE_REFIT))
+    monkeypatch.delenv("MOERL_GEOMETRY", raising=False)  # 07 finds results/geometry from analysis/
+    monkeypatch.delenv("MOERL_EXPERIMENT", raising=False)
     monkeypatch.setenv("MOERL_SMOOTH", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name=kernel_name, resources={"metadata": {"path": str(REPO)}}).execute()
+    nb = _execute(path, kernel_name)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     # Each notebook draws at least one figure (inline PNG), so the kernel kept its inline backend.
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure was displayed"
+    assert "Answer, computed from these runs" in _answer(nb), f"{path.name}: no computed answer at the end"
+
+
+def test_a_notebook_reads_another_experiments_runs(kernel_name, monkeypatch):
+    """The per-arm notebooks are not tied to experiment 00: on experiment 07's runs (names with
+    +overrides) 01 compares each arm with the baseline at the same rung."""
+    monkeypatch.setenv("MOERL_RESULTS", str(FIXTURE_RUNS_BY_NOTEBOOK["08_dose_ladder"]))
+    monkeypatch.setenv("MOERL_EXPERIMENT", "07_dose_threshold")
+    monkeypatch.setenv("MOERL_SMOOTH", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    nb = _execute(REPO / "analysis" / "01_kl_mismatch.ipynb", kernel_name)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert "Answer, computed from these runs" in _answer(nb)
 
 
 def test_run_notebooks_script_saves_executed_copies(tmp_path):

@@ -34,9 +34,14 @@ LABELS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "moonlight_16b_a3b": "Moonlight-16B-
 
 
 def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
-    """One row per (point, rollout dtype) with its factors and statistics."""
+    """One row per (point, rollout dtype) with its factors and statistics; FileNotFoundError naming
+    the directory when it holds no point JSON (an empty table would only fail later, by column)."""
+    paths = sorted(Path(root).glob("*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no geometry points (*.json) under {Path(root).resolve()} "
+                                "(scripts/measure_geometry.py writes them)")
     rows = []
-    for path in sorted(Path(root).glob("*.json")):
+    for path in paths:
         rec = json.loads(path.read_text())
         s, m = rec["spec"], rec["spec"]["model"]
         for dtype, r in rec["results"].items():

@@ -125,7 +125,8 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
             continue
         frames.append(_keyed(_rows_frame(rows), key))
     if not frames:
-        raise MissingRunError(f"no runs with metrics under {Path(root)}")
+        where = Path(root) / experiment if experiment else Path(root)
+        raise MissingRunError(f"no runs with metrics under {where} (expected <arm>/seed<k>/metrics.jsonl there)")
     return pd.concat(frames, ignore_index=True, sort=False)
 
 
@@ -171,7 +172,8 @@ def is_level(loss: dict | None) -> str:
 
 
 def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFrame:
-    """One row per finished run (summary.json flattened), plus its resolved config's key knobs."""
+    """One row per finished run (summary.json flattened), plus its resolved config's key knobs;
+    MissingRunError naming the directory when no run there has finished."""
     rows = []
     for key, run in find_runs(root).items():
         if experiment is not None and key.experiment != experiment:
@@ -200,6 +202,9 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
         sha = run / "git_sha.txt"
         flat["git_sha"] = sha.read_text().strip() if sha.exists() else None
         rows.append(flat)
+    if not rows:
+        where = Path(root) / experiment if experiment else Path(root)
+        raise MissingRunError(f"no finished runs under {where} (expected <arm>/seed<k>/summary.json there)")
     return pd.DataFrame(rows)
 
 
@@ -225,6 +230,8 @@ def load_arm_configs(root: str | Path, experiment: str) -> dict[str, dict]:
         if not isinstance(cfg, dict):
             raise ValueError(f"{path}: expected a resolved experiment config (a mapping)")
         out[key.arm] = cfg
+    if not out:
+        raise MissingRunError(f"no run configs under {Path(root) / experiment} (expected <arm>/seed<k>/config.yaml)")
     return out
 
 
@@ -265,7 +272,9 @@ def load_token_samples(root: str | Path, experiment: str | None = None, arms: li
             df.insert(0, "step", int(path.stem.split("_")[1]))
             frames.append(_keyed(df, key))
     if not frames:
-        raise MissingRunError(f"no per-token samples under {Path(root)}")
+        where = Path(root) / experiment if experiment else Path(root)
+        raise MissingRunError(f"no per-token samples under {where} (expected <arm>/seed<k>/samples/step_*.npz; "
+                              "trainer.samples_every saves them)")
     return pd.concat(frames, ignore_index=True)
 
 
@@ -383,8 +392,6 @@ def run_table(root: str | Path, experiment: str) -> pd.DataFrame:
     logged ``time/step``) and ``wall/run_s`` (the process time scripts/sweep.py measured, all
     attempts of the run, when the run went through the sweep)."""
     summ = load_summaries(root, experiment)
-    if summ.empty:
-        raise MissingRunError(f"no finished runs (summary.json) of {experiment} under {Path(root)}")
     metrics = load_metrics(root, experiment)
     train = metrics[metrics["reward/mean"].notna()] if "reward/mean" in metrics else metrics.iloc[:0]
     if "time/step" in train:
@@ -424,13 +431,15 @@ def run_statistics(metrics: pd.DataFrame) -> pd.DataFrame:
 def family_references(runs: pd.DataFrame, name: str = "baseline") -> dict[str, str]:
     """arm -> the uncorrected arm of the same model preset (``cfg/preset``): ``baseline`` or
     ``<prefix>_baseline``. A ratio between arms is only meaningful within one architecture, so
-    each arm is compared with its own family's baseline. Arms whose preset has no such arm are
-    left out."""
+    each arm is compared with its own family's baseline. A run name with overrides
+    (``tis+rollout.dtype=fp8``) is compared with the baseline under the same overrides
+    (``baseline+rollout.dtype=fp8``). Arms whose preset has no such arm are left out."""
     if "cfg/preset" not in runs:
         return {a: name for a in runs["arm"].unique()} if name in set(runs["arm"]) else {}
     preset = runs.groupby("arm")["cfg/preset"].first()
-    bases = {p: a for a, p in preset.items() if a == name or a.endswith(f"_{name}")}
-    return {a: bases[p] for a, p in preset.items() if p in bases}
+    split = {a: a.partition("+") for a in preset.index}
+    bases = {(p, split[a][2]): a for a, p in preset.items() if split[a][0] == name or split[a][0].endswith(f"_{name}")}
+    return {a: bases[(p, split[a][2])] for a, p in preset.items() if (p, split[a][2]) in bases}
 
 
 def seed_stats(df: pd.DataFrame, columns: list[str], by: str = "arm") -> pd.DataFrame:

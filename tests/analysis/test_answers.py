@@ -1,0 +1,79 @@
+"""A notebook's closing answer is computed from its runs: change the runs and the answer changes."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from moerl.analysis import answers
+
+
+def _train(k3: dict[str, list[float]], steps: int = 4) -> pd.DataFrame:
+    rows = []
+    for arm, per_seed in k3.items():
+        for seed, value in enumerate(per_seed):
+            for step in range(1, steps + 1):
+                rows.append({"arm": arm, "seed": seed, "step": step, "reward/mean": 0.5, "mismatch/k3": value})
+    return pd.DataFrame(rows)
+
+
+def test_mismatch_answer_sorts_arms_by_where_every_seed_falls():
+    train = _train({"baseline": [1e-3, 2e-3], "r3": [5e-4, 1e-3], "tis": [2e-3, 4e-3], "mis": [8e-4, 3e-3],
+                    "fp32_rollout": [1e-12, 1e-12]})
+    refs = {a: "baseline" for a in ("baseline", "r3", "tis", "mis", "fp32_rollout")}
+    text = answers.mismatch(train, refs)
+    assert "every seed: r3 0.5× baseline" in text
+    assert "Higher on every seed: tis 2× baseline" in text
+    assert "not told apart from the baseline): mis" in text
+    assert "numerical floor (no rollout mismatch): fp32_rollout" in text
+    flipped = answers.mismatch(_train({"baseline": [1e-3, 2e-3], "r3": [2e-3, 4e-3]}), {"r3": "baseline"})
+    assert "Higher on every seed: r3" in flipped and "Lower than its family baseline on every seed: none" in flipped
+    assert "nothing to compare" in answers.mismatch(train, {})
+
+
+def test_run_names_with_overrides_are_paired_with_the_baseline_at_the_same_rung():
+    from moerl.analysis.results import family_references
+
+    runs = pd.DataFrame({"arm": ["baseline+rollout.dtype=fp8", "baseline+rollout.dtype=int4", "tis+rollout.dtype=fp8",
+                                 "fp32_control"], "cfg/preset": ["qwen3_moe"] * 4})
+    refs = family_references(runs)
+    assert refs["tis+rollout.dtype=fp8"] == "baseline+rollout.dtype=fp8" and "fp32_control" not in refs
+
+
+def test_touched_and_routing_answers_follow_the_data():
+    train = _train({"baseline": [1e-3], "mis": [1e-3]})
+    train["mask/token_frac"] = train["arm"].map({"baseline": 0.0, "mis": 0.04})
+    train["effective/token_frac"] = 1 - train["mask/token_frac"]
+    text = answers.touched(train)
+    assert "masked (MIS/IcePop): mis 4.0 %" in text and "keeping a gradient: mis 96.0 %" in text
+    for layer, share in enumerate((0.01, 0.02, 0.03)):
+        train[f"routing/agreement/layer{layer}"] = 1 - share * train["arm"].map({"baseline": 1.0, "mis": 0.0})
+    text = answers.routing(train)
+    assert "rises with depth (rank correlation > 0.5) in 1 of 1 arms: baseline 1.0 % (layer 0) → 3.0 % (layer 2)" in text
+
+
+def test_dose_answer_names_the_threshold_from_the_runs():
+    def run(arm, rung, seed, collapse, end, start=0.3):
+        return {"arm": arm, "rung": rung, "seed": seed, "collapse_step": collapse, "pass1_start": start,
+                "pass1_end": end, "k3_median": {"fp32": 0.0, "bf16": 1e-3, "nvfp4": 1e-1}[rung]}
+
+    runs = [run("fp32_control", "fp32", 0, None, 0.6), run("baseline", "bf16", 0, None, 0.55),
+            run("baseline", "nvfp4", 0, 120, 0.05), run("tis", "nvfp4", 0, None, 0.58)]
+    text = answers.dose_ladder(runs)
+    assert "first collapses at rollout nvfp4" in text and "tis -0.020 (n=1)" in text
+    runs[2]["collapse_step"] = None
+    assert "no threshold" in answers.dose_ladder(runs)
+
+
+@pytest.mark.parametrize("bad", ["geometry", "summaries", "configs", "metrics"])
+def test_a_loader_that_finds_nothing_names_where_it_looked(tmp_path, bad):
+    from moerl.analysis.geometry_report import load_points
+    from moerl.analysis.results import MissingRunError, load_arm_configs, load_metrics, load_summaries
+
+    run = tmp_path / "exp" / "arm" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')  # no summary.json, no config.yaml
+    call = {"geometry": lambda: load_points(tmp_path), "summaries": lambda: load_summaries(tmp_path, "exp"),
+            "configs": lambda: load_arm_configs(tmp_path, "exp"), "metrics": lambda: load_metrics(tmp_path, "other")}[bad]
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)) as err:
+        call()
+    assert bad == "geometry" or isinstance(err.value, MissingRunError)

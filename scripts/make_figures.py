@@ -7,7 +7,7 @@ Per experiment under --runs, one figure per question of ``experiments/<experimen
 headline summary (run-median k3 relative to the same model family's baseline, per-layer native vs
 replayed routing agreement), held-out accuracy gains, routing per layer and, where
 samples/*.npz were saved, importance-weight histograms with each correction's cap or band,
-quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figure (cost, bf16 drift,
+quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figures (cost; bf16 drift;
 bytes at scale) when --refit holds benchmarks/bench_refit.py's JSON.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moerl.analysis.plots import experiment_figures, refit_figure, save
+from moerl.analysis.plots import experiment_figures, refit_figures, save
 from moerl.analysis.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
                            load_token_samples)
 
@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
             print(f"make_figures: skipping the refit figure: {err}")
             benches = {}
         for name, bench in benches.items():
-            if "presets" in bench:
-                paths.append(save(refit_figure(bench, name), out / f"refit_{name}.png"))
+            if "presets" in bench:  # refit_<name>.png: the cost; _drift, _at_scale: the other questions
+                for question, fig in refit_figures(bench, name).items():
+                    suffix = "" if question == "cost" else f"_{question}"
+                    paths.append(save(fig, out / f"refit_{name}{suffix}.png"))
     for path in paths:
         print(f"wrote {path}")
     return paths

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,8 +139,12 @@ class Question:
     ``kind``: ``curves`` (metrics over training; a reward panel marks each run's collapse step),
     ``tau_curve`` (the extreme-token curve F(tau) of each arm, from its ``mismatch/extreme_gt*``),
     ``relative`` (the first metric over training divided by the same family's baseline on the same
-    seed, one panel per entry of ``panels``) or ``collapse`` (the collapse definition drawn: smoothed
-    reward, its threshold and each run's collapse step, one panel per entry of ``panels``).
+    seed, one panel per entry of ``panels``), ``difference`` (the first metric minus the
+    ``reference`` arm's on the same seed, one panel per arm, the family baseline's difference drawn
+    in every panel for comparison), ``shares`` (per arm, the mean over steps and seeds of each
+    metric, a share of tokens: one bar panel per metric) or ``collapse`` (the collapse definition
+    drawn: smoothed reward, its threshold and each run's collapse step, one panel per entry of
+    ``panels``).
     ``caption``: a sentence under the figure (what it does not show, how to read it). ``paper``: a
     source's number to draw beside the runs, ``{value, label}`` (a horizontal line) or
     ``{scale, arms, label}`` (those arms' curve times ``scale``, e.g. 0.1 for "10x fewer")."""
@@ -155,7 +160,7 @@ class Question:
     panels: list[dict] = field(default_factory=list)
 
 
-QUESTION_KINDS = ("curves", "tau_curve", "relative", "collapse")
+QUESTION_KINDS = ("curves", "tau_curve", "relative", "difference", "shares", "collapse")
 
 
 def load_questions(experiment: str, experiments_dir: str | Path | None = None) -> list[Question]:
@@ -206,7 +211,6 @@ def add_caption(fig: plt.Figure, text: str, width: int = 0) -> None:
     """``text`` under the figure, wrapped to its width (saved with bbox_inches='tight')."""
     if not text:
         return
-    import textwrap
 
     width = width or max(int(fig.get_figwidth() * 15), 110)  # the legend beside the axes widens the saved figure
     fig.text(0.01, 0.0, textwrap.fill(text, width), ha="left", va="top", fontsize=8, style="italic",
@@ -335,6 +339,15 @@ def _rolling_median(wide: pd.DataFrame, window: int) -> pd.DataFrame:
     return wide.rolling(window, min_periods=1).median() if window > 1 else wide
 
 
+def _ratio_minor_label(value: float, _pos=None) -> str:
+    """Minor ticks of a ratio axis labelled at 2, 3 and 5 times a power of ten only (0.5×, 2×, 3×):
+    every minor tick labelled would collide near 1×."""
+    if value <= 0:
+        return ""
+    mantissa = round(value / 10 ** np.floor(np.log10(value)), 6)
+    return f"{value:g}×" if mantissa in (2.0, 3.0, 5.0) else ""
+
+
 FLOOR_RATIO = 1e-3  # an arm below this fraction of its family baseline's k3 is at the numerical floor (fp32)
 
 
@@ -345,7 +358,7 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
     (per-step k3 is heavy-tailed); line = geometric mean over seeds, band = min-max. One panel per
     ``{title, arms}`` of ``panels``. An arm at the numerical floor (fp32 rollout, below FLOOR_RATIO
     of its baseline) is named in a note rather than drawn: it would stretch the axis by decades."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.3 * len(panels), 6.4), 3.6), squeeze=False, sharey=True)
     for ax, panel in zip(axes[0], panels):
         notes = []
         for arm in panel["arms"]:
@@ -364,17 +377,20 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
                 notes.append(f"{arm}: ~{float(center.median()):.0e}× {ref} (numerical floor, not drawn)")
                 continue
             line, = ax.plot(center.index, center.values, color=arm_color(arm), ls=arm_style(arm)["ls"], lw=1.4,
-                            label=f"{arm} / {ref}")
+                            label=f"{arm} / {ref}: {float(center.median()):.2g}× (median over steps)")
             if ratio.shape[1] > 1:
                 ax.fill_between(ratio.index, ratio.min(axis=1), ratio.max(axis=1), color=line.get_color(), alpha=0.15)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_ratio_minor_label))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(panel.get("title", ""), fontsize=9)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
         if notes:
             ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
     axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\n÷ same family's baseline, same seed", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -428,6 +444,86 @@ def collapse_figure(df: pd.DataFrame, panels: list[dict], title: str, caption: s
     return fig
 
 
+def difference_curves(df: pd.DataFrame, key: str, arms: list[str], reference: str, title: str, smooth: int = 20,
+                      compare: str = "baseline", caption: str = "") -> plt.Figure:
+    """``key`` of each arm minus the ``reference`` arm's (a control) on the same seed, step by step,
+    after a rolling mean over ``smooth`` steps: line = mean over seeds, band = min-max. One panel per
+    arm (shared y), each with ``compare``'s difference in its colour, thin, so every arm reads
+    against the uncorrected one without a tangle of overlapping bands."""
+    present = set(df["arm"])
+    shown = [a for a in arms if a in present and a != reference]
+    if reference not in present or not shown:
+        raise KeyError(f"difference figure: needs the reference arm {reference!r} and one of {arms} "
+                       f"(recorded: {sorted(present)})")
+
+    def diff(arm):
+        wide = df[df["arm"] == arm].pivot_table(index="step", columns="seed", values=key)
+        ref = df[df["arm"] == reference].pivot_table(index="step", columns="seed", values=key)
+        seeds = [c for c in wide.columns if c in ref.columns]
+        return (wide[seeds] - ref[seeds]).rolling(smooth, min_periods=1).mean()
+
+    panels = [a for a in shown if a != compare] or shown
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels) + 0.8, 3.2), squeeze=False, sharey=True)
+    base = diff(compare) if compare in shown else None
+    base_mean = float(base.mean(axis=1).mean()) if base is not None else None
+    for ax, arm in zip(axes[0], panels):
+        if base is not None and arm != compare:
+            ax.plot(base.index, base.mean(axis=1), color=arm_color(compare), lw=1.0, label=f"{compare} − {reference}")
+        d = diff(arm)
+        ax.plot(d.index, d.mean(axis=1), color=arm_color(arm), lw=1.6, label=f"{arm} − {reference}")
+        if d.shape[1] > 1:
+            ax.fill_between(d.index, d.min(axis=1), d.max(axis=1), color=arm_color(arm), alpha=0.2, lw=0)
+        ax.axhline(0, color="k", lw=0.8, ls="--")
+        mean = float(d.mean(axis=1).mean())
+        ax.set_title(f"{arm}: {mean:+.3f}" + (f" ({compare} {base_mean:+.3f})" if base_mean is not None
+                                              and arm != compare else ""), fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.24), frameon=False)
+    axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\nminus {reference}'s (same seed)", fontsize=9)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    add_caption(fig, caption or f"{key} minus {reference}'s on the same seed, rolling mean over {smooth} steps; line: "
+                "mean over seeds, band: min-max over seeds; panel title: the mean of the line over training (and "
+                f"{compare}'s).")
+    return fig
+
+
+def shares_figure(df: pd.DataFrame, arms: list[str], metrics: list[str], title: str, caption: str = "") -> plt.Figure:
+    """Per arm (rows) and metric (panels), a share of response tokens: bar = mean over seeds of each
+    run's mean over steps, dots = seeds, the value written beside the bar (a share of 0.005 % and
+    one of 4 % both read)."""
+    arms = [a for a in arms if a in set(df["arm"])]
+    metrics = [m for m in metrics if m in df and df.loc[df["arm"].isin(arms), m].notna().any()]
+    if not arms or not metrics:
+        raise KeyError(f"shares figure: none of {metrics} recorded for {arms}")
+    y = np.arange(len(arms))[::-1]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.1 * len(metrics) + 1.0, 0.42 * len(arms) + 1.6),
+                             squeeze=False, sharey=True)
+    for ax, key in zip(axes[0], metrics):
+        per_run = df[df["arm"].isin(arms)].groupby(["arm", "seed"])[key].mean()
+        means = per_run.groupby("arm").mean().reindex(arms)
+        ax.barh(y, means.values, color=[arm_color(a) for a in arms], height=0.65)
+        for (arm, _), v in per_run.items():
+            ax.plot([v], [y[arms.index(arm)]], "o", ms=3, color="k", alpha=0.6)
+        top = float(np.nanmax(per_run.values)) if per_run.notna().any() else 1.0
+        highest = per_run.groupby("arm").max().reindex(arms)
+        for yy, v, h in zip(y, means.values, highest.values):
+            if v == v:
+                ax.text(max(v, h) + 0.03 * (top or 1), yy, f"{100 * v:.3g} %", va="center", fontsize=8)
+        ax.set_xlim(0, (top or 1) * 1.4)
+        ax.set_title(METRIC_LABELS.get(key, key), fontsize=10)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{100 * v:.3g} %"))
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(alpha=0.3, axis="x")
+    axes[0][0].set_yticks(y, arms, fontsize=9)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    add_caption(fig, caption or "Bar: mean over seeds of each run's mean over training steps; dots: seeds.")
+    return fig
+
+
 def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5,
                     references: dict[str, str] | None = None) -> plt.Figure:
     """The figure of one question: its metrics over training for its arms, its F(tau) curve, its
@@ -442,6 +538,11 @@ def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5,
         return fig
     elif question.kind == "collapse":
         return collapse_figure(df, panels_of, question.title, caption=question.caption)
+    elif question.kind == "difference":
+        return difference_curves(df, question.metrics[0], question.arms, question.reference, question.title,
+                                 caption=question.caption)
+    elif question.kind == "shares":
+        return shares_figure(df, question.arms, question.metrics, question.title, caption=question.caption)
     else:
         panels = [(k, METRIC_LABELS.get(k, k)) for k in question.metrics if k in df and df[k].notna().any()]
         if not panels:
@@ -464,12 +565,13 @@ def _outliers(values: dict[str, float], factor: float = 5.0) -> set[str]:
 
 
 def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None,
-                     presets: dict[str, str] | None = None) -> plt.Figure:
+                     presets: dict[str, str] | None = None, others: list[str] | None = None) -> plt.Figure:
     """Share of tokens whose trainer-native top-k differs from the rollout's, per MoE layer and arm.
     The x axis is the global layer number for every preset (a DeepSeek-V3-style model's first
     layers are dense and have no router, so its bars start later). One panel per preset
     (``presets``: arm -> preset); an arm far above the rest of its panel is drawn clipped, its
-    values written on its bars."""
+    values written on its bars. ``others``: arms drawn not as bars but as one grey band per panel,
+    the min-max over them at each layer (arms that route alike, drawn without a bar each)."""
     cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
                   key=lambda c: int(c.rsplit("layer", 1)[1]))
     arms = [a for a in (arms or sorted(df["arm"].unique())) if a in set(df["arm"])]
@@ -486,6 +588,18 @@ def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None
         clipped = _outliers(peaks)
         top = max([p for a, p in peaks.items() if a not in clipped and np.isfinite(p)] or [1.0]) * 1.3
         width = 0.8 / max(len(members), 1)
+        rest = [a for a in (others or []) if (presets or {}).get(a, "") == preset and a in set(df["arm"])]
+        dis_rest = {a: np.array([1 - df.loc[df["arm"] == a, c].mean() for c in layers]) for a in rest}
+        aligned = sorted(a for a, v in dis_rest.items() if not np.nanmax(v, initial=0) > 0)  # fp32: none differ
+        banded = sorted(a for a in dis_rest if a not in aligned)
+        if banded:
+            table = np.array([dis_rest[a] for a in banded])
+            lo, hi = np.nanmin(table, axis=0), np.nanmax(table, axis=0)
+            ax.bar(numbers, np.minimum(hi, top) - np.minimum(lo, top), 0.9, bottom=np.minimum(lo, top),
+                   color="0.8", alpha=0.6, zorder=0,
+                   label=textwrap.fill(f"grey: min-max of {', '.join(banded)}", 60))
+        if aligned:
+            ax.plot([], [], ls="none", label=textwrap.fill(f"{', '.join(aligned)}: 0 in every layer", 60))
         for i, arm in enumerate(members):
             x = np.array(numbers) + (i - (len(members) - 1) / 2) * width
             v = vals[arm]
@@ -501,7 +615,7 @@ def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None
         ax.set_xlabel("global layer number (layers without a router not shown)", fontsize=8)
         ax.set_title(f"{preset} preset" if preset else title, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if rest else 2, frameon=False)
     axes[0][0].set_ylabel("tokens whose native top-k\ndiffers from the rollout's", fontsize=8)
     if len(groups) > 1 or next(iter(groups)):
         fig.suptitle(title, fontsize=10)
@@ -550,8 +664,10 @@ def _log_ticks(lo: float, hi: float) -> list[float]:
         cands = [10.0 ** k for k in range(-8, 9)]
     elif decades > 0.6:
         cands = [m * 10.0 ** k for k in range(-8, 9) for m in (1, 2, 5)]
-    else:
-        cands = [round(x, 3) for x in np.linspace(lo, hi, 5)]
+    else:  # round steps (0.05, 0.1, 0.2, ...) that give 3 to 6 ticks
+        step = next((m * 10.0 ** k for k in range(-4, 3) for m in (1, 2, 5) if (hi - lo) / (m * 10.0 ** k) <= 6),
+                    hi - lo)
+        cands = [round(t, 6) for t in np.arange(np.ceil(lo / step) * step, hi, step)]
     ticks = [t for t in cands if lo <= t <= hi]
     return ticks or [lo, hi]
 
@@ -562,8 +678,10 @@ def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str =
     """Per arm, the distribution of a per-token weight from samples/*.npz (all steps and seeds),
     on a log-x axis: 1 is no mismatch. ``losses`` (arm -> loss config) adds what each correction
     acts on: the TIS cap, the MIS / IcePop keep band (shaded). An arm whose loss works on a
-    sequence-level ratio (MIS) is histogrammed per sequence, and its axis says so. Panels of a row
-    share their y scale."""
+    sequence-level ratio (MIS) is histogrammed per sequence on its own x range, and its axis says
+    so. The x range covers the data's 0.01-99.99 % quantiles and every cap or band edge (so none is
+    off the plot); the rare values beyond it are counted in the bins at its edges and in the panel
+    title. Panels of a row share their y scale."""
     from moerl.analysis.results import is_level
 
     arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
@@ -582,14 +700,24 @@ def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str =
             sub = sub.drop_duplicates(["seed", "step", "sample"])  # one value per sequence
         x = sub[key].to_numpy(dtype=float)
         per_arm[arm] = (x[np.isfinite(x) & (x > 0)], level)
-    vals = np.concatenate([v for v, _ in per_arm.values()]) if per_arm else np.array([])
-    lo, hi = (np.quantile(vals, [0.0, 1.0]) if vals.size else (0.5, 2.0))
-    lo, hi = min(lo, 0.4), max(hi, 2.5)
-    bins = np.geomspace(lo, hi, 80)
-    ticks = _log_ticks(lo, hi)
+    def x_range(arms_here: list[str]) -> tuple[float, float]:
+        vals = np.concatenate([per_arm[a][0] for a in arms_here] or [np.array([])])
+        lo, hi = np.quantile(vals, [1e-4, 1 - 1e-4]) if vals.size else (0.9, 1.1)
+        edges = [e for a in arms_here for _, e1, e2, _ in correction_marks((losses or {}).get(a))
+                 for e in (e1, e2) if e is not None]
+        lo, hi = min([lo, 1.0, *edges]), max([hi, 1.0, *edges])
+        pad = (hi / lo) ** 0.06
+        return lo / pad, hi * pad
+
+    token_arms = [a for a in arms if per_arm[a][1] == "token"]
+    shared = x_range(token_arms) if token_arms else None
     for ax, arm in zip(axes, arms):
         x, level = per_arm[arm]
-        ax.hist(x, bins=bins, color=arm_color(arm), alpha=0.85)
+        lo, hi = shared if level == "token" else x_range([arm])
+        bins = np.geomspace(lo, hi, 60)
+        ticks = _log_ticks(lo, hi)
+        beyond = int(((x < lo) | (x > hi)).sum())
+        ax.hist(np.clip(x, bins[0], bins[-1] * (1 - 1e-12)), bins=bins, color=arm_color(arm), alpha=0.85)
         ax.axvline(1.0, color="k", lw=0.8, ls="--")
         for kind, a, b, label in correction_marks((losses or {}).get(arm)):
             if kind == "cap":
@@ -608,7 +736,8 @@ def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str =
         ax.tick_params(axis="y", labelsize=7)
         q = np.quantile(x, [0.01, 0.99]) if x.size else (np.nan, np.nan)
         unit = "tokens" if level == "token" else "sequences"
-        ax.set_title(f"{arm}\np1={q[0]:.3g}  p99={q[1]:.3g}  n={x.size} {unit}", fontsize=8)
+        ax.set_title(f"{arm}\np1={q[0]:.3g}  p99={q[1]:.3g}  n={x.size} {unit}"
+                     + (f"\n{beyond} beyond the axis, in its edge bins" if beyond else ""), fontsize=8)
         ax.set_xlabel(LEVEL_TEXT.get(level, f"per-token {key}"), fontsize=7 if level != "token" else 8)
     for row in grid:
         row[0].set_ylabel("count (log)", fontsize=8)
@@ -629,43 +758,59 @@ def sample_quantiles(samples: pd.DataFrame, key: str = "raw_ratio",
     return out
 
 
-def quantiles_over_time(samples: pd.DataFrame, key: str = "raw_ratio",
-                        qs: tuple[float, ...] = (0.01, 0.5, 0.99), title: str = "",
-                        arms: list[str] | None = None) -> plt.Figure:
-    """Per arm, the p1/p50/p99 (by default) of a per-token quantity at each sampled step."""
+def spread_over_training(samples: pd.DataFrame, key: str = "raw_ratio", qs: tuple[float, float] = (0.01, 0.99),
+                         title: str = "", arms: list[str] | None = None) -> plt.Figure:
+    """Does the spread of a per-token quantity change over training? Per arm (one row each), the
+    spread ln(p99 / p1) of ``key`` at each sampled step (seeds pooled; small dots), and its median
+    over the first and the last third of the sampled steps (open and filled marker, joined), the
+    late / early ratio written at the right. The median of a ratio is 1 for every arm and is not
+    drawn; on a log axis an arm with no mismatch (fp32) stays on the plot, decades to the left."""
     arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
     table = sample_quantiles(samples[samples["arm"].isin(arms)], key, qs)
-    fig, ax = plt.subplots(figsize=(6.0, 3.3))
-    cols = [f"q{q:g}" for q in qs]
-    # An arm whose spread is many times the others' (a broken replay) would set the axis for all:
-    # it is left out and named under the figure.
-    spread = {arm: float(np.nanmedian(np.abs(np.log(table.loc[table["arm"] == arm, cols[-1]]
-                                                       / table.loc[table["arm"] == arm, cols[0]]))))
-              for arm in arms}
-    left_out = sorted(_outliers(spread, factor=100.0))
-    arms = [a for a in arms if a not in left_out]
-    for arm in arms:
-        sub = table[table["arm"] == arm]
+    lo_col, hi_col = f"q{qs[0]:g}", f"q{qs[1]:g}"
+    table["spread"] = np.log(table[hi_col] / table[lo_col])
+    # An arm with (almost) no mismatch (fp32 rollout) would stretch the axis by decades: named below instead.
+    typical = table.groupby("arm")["spread"].median()
+    floor_arms = [a for a in arms if typical.get(a, 0) < 1e-3 * float(typical.median())]
+    arms = [a for a in arms if a not in floor_arms]
+    y = np.arange(len(arms))[::-1]
+    fig, ax = plt.subplots(figsize=(7.4, 0.38 * len(arms) + 1.6))
+    positive = table.loc[table["spread"] > 0, "spread"]
+    floor = float(positive.min()) if len(positive) else 1e-6
+    right = []
+    for yy, arm in zip(y, arms):
+        sub = table[table["arm"] == arm].sort_values("step")
+        spread = sub["spread"].to_numpy(dtype=float)
+        third = max(1, len(spread) // 3)
+        early, late = float(np.median(spread[:third])), float(np.median(spread[-third:]))
         color = arm_color(arm)
-        ax.plot(sub["step"], sub[cols[len(cols) // 2]], color=color, label=arm, marker="o", ms=3)
-        ax.fill_between(sub["step"], sub[cols[0]], sub[cols[-1]], color=color, alpha=0.15)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
-    low, high = ax.get_ylim()
-    # Minor ticks get labels only within about a decade; over more they would overlap.
-    minor = matplotlib.ticker.FormatStrFormatter("%.3g") if high / low <= 20 else matplotlib.ticker.NullFormatter()
-    ax.yaxis.set_minor_formatter(minor)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel(f"{key}: median, p{qs[0] * 100:g}-p{qs[-1] * 100:g} band", fontsize=8)
-    ax.set_title(title or f"{key} quantiles over training", fontsize=10)
-    ax.grid(alpha=0.3)
-    _legend_outside(fig, [ax], arms)
+        ax.scatter(np.maximum(spread, floor), np.full(len(spread), yy), s=7, color=color, alpha=0.35, lw=0)
+        if early > 0 and late > 0:
+            ax.plot([early, late], [yy, yy], color=color, lw=1.5)
+            ax.plot([early], [yy], "o", mfc="white", mec=color, ms=7, mew=1.5)
+            ax.plot([late], [yy], "o", color=color, ms=7)
+            right.append((yy, f"×{late / early:.2g}"))
+        else:
+            right.append((yy, "no spread"))
+    ax.set_xscale("log")
+    ax.set_yticks(y, arms, fontsize=9)
+    ax.set_ylim(-0.7, len(arms) - 0.3)
+    for yy, text in right:
+        ax.text(1.01, yy, text, transform=ax.get_yaxis_transform(), va="center", fontsize=8)
+    ax.set_xlabel(f"spread of {key}: ln(p{qs[1] * 100:g} / p{qs[0] * 100:g}) per sampled step (log axis)", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Line2D([], [], marker="o", ls="none", mfc="white", mec="k", label="first third of training"),
+                       Line2D([], [], marker="o", ls="none", color="k", label="last third"),
+                       Line2D([], [], marker="o", ls="none", color="k", alpha=0.35, ms=3, label="each sampled step")],
+              fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    fig.suptitle(title or f"Does the spread of {key} change over training?", fontsize=10)
     fig.tight_layout()
-    if left_out:
-        add_caption(fig, "Not drawn (spread over 100× the other arms', it would set the scale): "
-                    + ", ".join(f"{a} (median p{qs[0] * 100:g}-p{qs[-1] * 100:g} log-spread {spread[a]:.2g} vs "
-                                f"{np.median([spread[b] for b in arms]):.2g})" for a in left_out) + ".")
+    floor = "; ".join(f"{a} (spread ~{typical[a]:.1g}, numerical floor)" for a in floor_arms)
+    add_caption(fig, "Right: the spread's median over the last third of the sampled steps divided by that over the "
+                "first third. Quantiles are of all sampled tokens of the arm at that step, seeds pooled."
+                + (f" Not drawn: {floor}." if floor else ""))
     return fig
 
 
@@ -719,61 +864,84 @@ def routing_layers_table(df: pd.DataFrame, summaries: pd.DataFrame | None = None
     return table
 
 
-def refit_figure(bench: dict, name: str = "bench_refit") -> plt.Figure:
-    """What does a refit cost, and does the engine's copy drift? From benchmarks/bench_refit.py's JSON:
-    measured time and bytes per refit (adapter-only vs merged, per preset), the relative error of the
-    bf16 engine's effective weights over repeated refits, and bytes per refit at scale (analytic)."""
+REFIT_MODE_LABELS = {"adapter": "adapter-only (engine keeps bf16 W, applies the adapter unmerged)",
+                     "merged": "merged (adapter merged into a bf16 base and unmerged, each refit)"}
+
+
+def refit_figures(bench: dict, name: str = "bench_refit") -> dict[str, plt.Figure]:
+    """One question per figure, from benchmarks/bench_refit.py's JSON: ``cost`` (what does a refit cost,
+    adapter-only vs merged: measured time and bytes per preset), ``drift`` (does the engine's copy of
+    the weights drift over repeated refits?) and ``at_scale`` (how many bytes would a refit send at
+    the cluster models' size, analytic); the last two only when the JSON holds them."""
     presets = bench.get("presets")
     if not isinstance(presets, list) or not presets:
         raise KeyError(f"{name}.json: expected a non-empty list 'presets' with adapter/merged entries "
                        f"(have keys {sorted(bench)})")
-    analytic = bench.get("analytic") or {}
-    drift = bench.get("drift") or {}
-    panels = ["time", "bytes"] + (["drift"] if drift else []) + (["analytic"] if analytic else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.3))
-    ax_of = dict(zip(panels, np.ravel(axes)))
+    figures = {}
     mode_colors = {"adapter": "C0", "merged": "C1"}
-    labels = [str(p.get("preset", i)) for i, p in enumerate(presets)]
+    labels = [f"{p.get('preset', i)}\n({p['base_params'] / 1e6:.3g} M params)" if p.get("base_params")
+              else str(p.get("preset", i)) for i, p in enumerate(presets)]
     x = np.arange(len(presets))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0))
     for j, mode in enumerate(("adapter", "merged")):
-        secs = [p.get(mode, {}).get("seconds_median", np.nan) * 1e3 for p in presets]
-        byts = [p.get(mode, {}).get("bytes", np.nan) / 2**20 for p in presets]
-        ax_of["time"].bar(x + 0.4 * j, secs, 0.4, label=mode, color=mode_colors[mode])
-        ax_of["bytes"].bar(x + 0.4 * j, byts, 0.4, label=mode, color=mode_colors[mode])
-    for key, ylabel, title in (("time", "ms per refit (median)", "measured refit time"),
-                               ("bytes", "MiB per refit", "bytes sent per refit")):
-        ax = ax_of[key]
-        ax.set_xticks(x + 0.2, labels, fontsize=8)
+        for ax, values in ((axes[0], [p.get(mode, {}).get("seconds_median", np.nan) * 1e3 for p in presets]),
+                           (axes[1], [p.get(mode, {}).get("bytes", np.nan) / 2**20 for p in presets])):
+            bars = ax.bar(x + 0.4 * j - 0.2, values, 0.4, label=REFIT_MODE_LABELS[mode], color=mode_colors[mode])
+            ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize=9)
+    for ax, ylabel in ((axes[0], "ms per refit (median over rounds)"), (axes[1], "MiB sent per refit")):
+        ax.set_xticks(x, labels, fontsize=10)
         ax.set_yscale("log")
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel, fontsize=10)
+        ax.margins(y=0.25)
         ax.grid(alpha=0.3, axis="y")
+    ratios = "; ".join(f"{p.get('preset')}: {p['speedup_adapter_vs_merged']:.2g}× faster, "
+                       f"{p.get('bytes_ratio', float('nan')):.2g}× fewer bytes" for p in presets
+                       if "speedup_adapter_vs_merged" in p)
+    axes[0].set_title("time per refit", fontsize=11)
+    axes[1].set_title("bytes per refit", fontsize=11)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=1,
+               fontsize=9, frameon=False)
+    fig.suptitle("What does a refit cost, adapter-only against merged?" + (f"\n(adapter-only {ratios})" if ratios else ""),
+                 fontsize=11)
+    fig.tight_layout()
+    figures["cost"] = fig
+    drift = bench.get("drift") or {}
     if drift:
-        ax = ax_of["drift"]
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for mode, values in drift.items():
-            ax.plot(np.arange(1, len(values) + 1), values, label=mode, color=mode_colors.get(mode))
-        ax.set_xlabel("refits")
-        ax.set_ylabel("rel. error of engine weights", fontsize=8)
-        ax.set_title("bf16 drift over refits", fontsize=10)
+            ax.plot(np.arange(1, len(values) + 1), values, label=REFIT_MODE_LABELS.get(mode, mode),
+                    color=mode_colors.get(mode), lw=2)
+            ax.annotate(f"{values[-1]:.2g}", (len(values), values[-1]), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=9, color=mode_colors.get(mode))
+        ax.set_xlabel("refits", fontsize=10)
+        ax.set_ylabel("relative error of the engine's weights\n(Frobenius, vs the trainer's fp32 W + BA)", fontsize=10)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+        ax.set_title("Does the engine's copy of the weights drift over repeated refits?", fontsize=11)
+        fig.tight_layout()
+        figures["drift"] = fig
+    analytic = bench.get("analytic") or {}
     if analytic:
-        ax = ax_of["analytic"]
+        fig, ax = plt.subplots(figsize=(9.0, 4.2))
         models = list(analytic)
         keys = sorted({k[: -len("_bytes")] for m in models for k in analytic[m] if k.endswith("_bytes")},
                       key=lambda k: (k != "full_bf16", k))
         width = 0.8 / max(len(keys), 1)
         for i, k in enumerate(keys):
             ax.bar(np.arange(len(models)) + i * width, [analytic[m].get(f"{k}_bytes", np.nan) / 2**30 for m in models],
-                   width, label=k, color=plt.cm.Set2.colors[i % 8])
-        ax.set_xticks(np.arange(len(models)) + 0.4 - width / 2, [m.split(" (")[0] for m in models], fontsize=7)
+                   width, label="merged: every weight in bf16" if k == "full_bf16" else f"adapter-only, {k}",
+                   color=plt.cm.Set2.colors[i % 8])
+        ax.set_xticks(np.arange(len(models)) + 0.4 - width / 2, [m.split(" (")[0] for m in models], fontsize=10)
         ax.set_yscale("log")
-        ax.set_ylabel("GiB per refit", fontsize=8)
-        ax.set_title("at scale (analytic)", fontsize=10)
-        ax.legend(fontsize=6, frameon=False)
+        ax.set_ylabel("GiB per refit", fontsize=10)
+        ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                  title="LoRA rank, expert layout", title_fontsize=8)
         ax.grid(alpha=0.3, axis="y")
-    ax_of["time"].legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    return fig
+        ax.set_title("How many bytes would a refit send at the cluster models' size? (analytic)", fontsize=11)
+        fig.tight_layout()
+        figures["at_scale"] = fig
+    return figures
 
 
 def _paired_ratio(runs: pd.DataFrame, key: str, reference: str | dict[str, str]) -> pd.DataFrame:
@@ -980,9 +1148,13 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
             paths.append(save(gain_figure(runs, f"{experiment}: held-out accuracy, final minus initial", questions),
                               out_dir / f"{experiment}_accuracy.png"))
     if any(c.startswith("routing/agreement/layer") for c in train.columns):
-        focus = _question_arms(questions, ("family", "replay")) or None
+        # The arms that change the routing (replay, rollout precision, the architecture) get bars; the rest
+        # (loss-side corrections, which route as the baseline does) one grey min-max band per panel.
+        focus = _question_arms(questions, ("family", "replay", "rerouted")) or None
+        others = [a for a in train["arm"].unique() if focus and a not in focus]
         paths.append(save(routing_by_layer(train, f"{experiment}: where do trainer and rollout route differently?",
-                                           arms=focus, presets=presets), out_dir / f"{experiment}_routing_layers.png"))
+                                           arms=focus, presets=presets, others=others),
+                          out_dir / f"{experiment}_routing_layers.png"))
     if samples is not None and not samples.empty:
         samples = samples[samples["experiment"] == experiment]
         hist_arms = _question_arms(questions, ("mitigations",)) or None
@@ -994,8 +1166,9 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
         # Per-token ratio for every arm (raw_ratio of a sequence-level MIS arm is its sequence's ratio).
         tokens = samples.assign(token_ratio=np.exp(samples["trainer_logp"].astype(float)
                                                    - samples["rollout_logp"].astype(float)))
-        paths.append(save(quantiles_over_time(tokens, "token_ratio", title=f"{experiment}: does the spread of "
-                                              "per-token pi_old / pi_rollout change over training?", arms=focus),
+        paths.append(save(spread_over_training(tokens, "token_ratio", title=f"{experiment}: does the spread of "
+                                               "per-token pi_old / pi_rollout change over training?",
+                                               arms=arm_order(tokens["arm"].unique(), questions)),
                           out_dir / f"{experiment}_is_quantiles.png"))
         paths.append(save(logprob_scatter(samples, f"{experiment}: at which token probabilities does the mismatch sit?",
                                           arms=focus), out_dir / f"{experiment}_logprob_scatter.png"))

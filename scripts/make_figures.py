@@ -1,14 +1,17 @@
-"""Regenerate every figure in results/figures/*.png from recorded runs (one command).
+"""Regenerate the figures of experiments 00 and 05 (every experiment with a figures.yaml) and of the
+refit benchmark in results/figures/*.png from recorded runs (one command).
 
     python scripts/make_figures.py [--runs results/runs] [--out results/figures] [--refit results/refit]
 
-Per experiment under --runs, one figure per question of ``experiments/<experiment>/figures.yaml``
-(the arms it compares, the metrics it draws, its caption and a source's reference line), the
-headline summary (run-median k3 relative to the same model family's baseline, per-layer native vs
-replayed routing agreement), held-out accuracy gains, routing per layer and, where
-samples/*.npz were saved, importance-weight histograms with each correction's cap or band,
-quantiles and the rollout-vs-trainer logprob scatter. Plus the refit figures (cost; bf16 drift;
-bytes at scale) when --refit holds benchmarks/bench_refit.py's JSON.
+Per experiment under --runs that has an ``experiments/<experiment>/figures.yaml``, one figure per
+question of it (the arms it compares, the metrics it draws, its caption and a source's reference
+line), the headline summary (run-median k3 relative to the same model family's baseline, per-layer
+native vs replayed routing agreement), held-out accuracy gains, routing per layer and, where
+samples/*.npz were saved, importance-weight histograms with each correction's cap or band, the
+ratio's spread early vs late in training and the rollout-vs-trainer logprob scatter. An experiment
+without a figures.yaml is skipped and named (06: scripts/geometry_figures.py; 07:
+experiments/07_dose_threshold/report.py). Plus the refit figures (cost; bf16 drift; bytes at
+scale) when --refit holds benchmarks/bench_refit.py's JSON.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moerl.analysis.plots import experiment_figures, refit_figures, save
+from moerl.analysis.plots import experiment_figures, load_questions, refit_figures, save
 from moerl.analysis.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
                            load_token_samples)
 
@@ -42,6 +45,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
         samples = None
     paths = []
     for experiment in sorted(df["experiment"].unique()):
+        if not load_questions(experiment):
+            # Without questions every run would go into one figure; such an experiment draws its own
+            # (experiment 07: experiments/07_dose_threshold/report.py).
+            print(f"make_figures: skipping {experiment}: no experiments/{experiment}/figures.yaml")
+            continue
         losses = {arm: cfg.get("loss", {}) for arm, cfg in load_arm_configs(args.runs, experiment).items()}
         paths += experiment_figures(df, experiment, out, runs=runs, samples=samples, losses=losses)
     if args.refit:

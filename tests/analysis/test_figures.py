@@ -136,7 +136,7 @@ def test_relative_k3_notes_the_fp32_floor_and_collapse_draws_its_threshold():
     refs = {"baseline": "baseline", "r3": "baseline", "fp32_rollout": "baseline"}
     fig = plots.relative_curves(df, "mismatch/k3", [{"title": "p", "arms": ["r3", "fp32_rollout"]}], refs, "t", smooth=3)
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
-    assert "r3 / baseline" in labels and not any("fp32" in lab for lab in labels)
+    assert "r3 / baseline: 2× (median over steps)" in labels and not any("fp32" in lab for lab in labels)
     assert "fp32_rollout" in fig.axes[0].texts[0].get_text()
     assert np.allclose(fig.axes[0].get_lines()[0].get_ydata(), 2.0)  # r3's k3 is 2x baseline's in _frame
     fig = plots.collapse_figure(df, [{"title": "p", "arms": ["baseline"]}], "t")
@@ -172,3 +172,61 @@ def test_a_run_with_overrides_takes_its_base_arms_colour_and_its_rung_a_line_sty
     assert mcolors.to_rgba(lines[fp8].get_color()) == mcolors.to_rgba(lines[nvfp4].get_color()) \
         == mcolors.to_rgba(plots.ARM_COLORS["mis"])
     assert lines[fp8].get_linestyle() != lines[nvfp4].get_linestyle()
+
+
+def test_histogram_axis_holds_every_cap_and_band_and_a_sequence_ratio_gets_its_own_range():
+    rng = np.random.default_rng(0)
+    token = np.exp(rng.normal(0, 0.05, 2000))
+    samples = pd.DataFrame({"arm": ["icepop"] * 2000 + ["mis"] * 2000, "raw_ratio": np.r_[token, token ** 0.2],
+                            "seed": 0, "step": 1, "sample": np.r_[np.arange(2000), np.arange(2000)]})
+    losses = {"icepop": {"variant": "icepop", "icepop_alpha": 0.5, "icepop_beta": 5.0},
+              "mis": {"variant": "mis", "mis_lower": 0.97, "mis_upper": 1.03, "is_level": "geometric"}}
+    fig = plots.ratio_histograms(samples, losses=losses)
+    icepop = next(ax for ax in fig.axes if ax.get_title().startswith("icepop"))
+    mis = next(ax for ax in fig.axes if ax.get_title().startswith("mis"))
+    lo, hi = icepop.get_xlim()
+    assert lo < 0.5 and hi > 5.0  # IcePop's upper bound is on the plot
+    lo, hi = mis.get_xlim()
+    assert 0.9 < lo < 0.97 and 1.03 < hi < 1.1  # the narrow MIS band fills a visible part of its own axis
+
+
+def test_spread_figure_names_an_arm_at_the_floor_instead_of_stretching_the_axis():
+    rng = np.random.default_rng(0)
+    rows = []
+    for arm, scale in (("baseline", 0.05), ("r3", 0.04), ("fp32_rollout", 1e-9)):
+        for step in (10, 20, 30, 40, 50, 60):
+            d = rng.normal(0, scale * (1 + step / 60), 500)
+            rows.append(pd.DataFrame({"arm": arm, "step": step, "token_ratio": np.exp(d)}))
+    fig = plots.spread_over_training(pd.concat(rows), "token_ratio", arms=["fp32_rollout", "baseline", "r3"])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["baseline", "r3"]
+    assert ax.get_xlim()[0] > 1e-3 and "fp32_rollout" in fig.texts[-1].get_text()
+    growth = [t.get_text() for t in ax.texts]
+    assert all(t.startswith("×1.") or t.startswith("×2") for t in growth)  # the spread was made to grow ~1.8x
+
+
+def test_shares_and_difference_figures_draw_what_the_runs_hold():
+    df = _frame(["fp32_rollout", "baseline", "tis"], steps=10)
+    df["is/truncated_frac"] = np.where(df["arm"] == "tis", 0.02, 0.0)
+    fig = plots.shares_figure(df, ["baseline", "tis"], ["is/truncated_frac"], "t?")
+    assert {t.get_text() for t in fig.axes[0].texts} == {"0 %", "2 %"}
+    fig = plots.difference_curves(df, "reward/mean", ["baseline", "tis"], "fp32_rollout", "t?", smooth=1)
+    (ax,) = fig.axes
+    lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    # _frame: reward = 0.1 * (arm index) + 0.01 * step, so tis - fp32 = 0.2 and baseline - fp32 = 0.1 at every step
+    assert np.allclose(lines["tis − fp32_rollout"], 0.2) and np.allclose(lines["baseline − fp32_rollout"], 0.1)
+    with pytest.raises(KeyError, match="reference arm 'nope'"):
+        plots.difference_curves(df, "reward/mean", ["tis"], "nope", "t?")
+
+
+def test_refit_figures_ask_one_question_each():
+    bench = {"presets": [{"preset": "default", "base_params": 1.8e6, "speedup_adapter_vs_merged": 9.4, "bytes_ratio": 9.4,
+                          "adapter": {"seconds_median": 0.002, "bytes": 4e5}, "merged": {"seconds_median": 0.017, "bytes": 3.6e6}}],
+             "drift": {"adapter": [0.0017, 0.0018], "merged": [0.0024, 0.011]},
+             "analytic": {"Kimi-K2 (1T)": {"full_bf16_bytes": 2e12, "r32_shared_bytes": 4e8}}}
+    figs = plots.refit_figures(bench)
+    assert set(figs) == {"cost", "drift", "at_scale"}
+    assert all("?" in (f._suptitle.get_text() if f._suptitle else f.axes[0].get_title()) for f in figs.values())
+    legend = [t.get_text() for t in figs["drift"].axes[0].get_legend().get_texts()]
+    assert any(t.startswith("adapter-only") for t in legend) and any(t.startswith("merged") for t in legend)
+    assert plots.refit_figures({"presets": bench["presets"]}).keys() == {"cost"}

@@ -2,8 +2,9 @@
 
 One figure answers one question. The questions of an experiment, the arms each compares and the
 metrics it draws live in ``experiments/<name>/figures.yaml`` (see :func:`load_questions`); every arm
-keeps one colour in every figure (:func:`arm_color`), and legends sit outside the axes. Seeds are
-drawn as a band (min-max) around the mean over seeds.
+keeps one colour in every figure (:func:`arm_color`; a run ``<arm>+<overrides>`` takes its arm's
+colour and shows its rung or variant by line style and marker, :func:`arm_style`), and legends sit
+outside the axes. Seeds are drawn as a band (min-max) around the mean over seeds.
 """
 from __future__ import annotations
 

@@ -391,7 +391,8 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
         ax.grid(alpha=0.3)
         if notes:
             ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+        if ax.get_legend_handles_labels()[0]:  # a panel whose only arm sits at the floor has no line
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
     axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\n÷ same family's baseline, same seed", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

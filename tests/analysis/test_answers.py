@@ -77,3 +77,12 @@ def test_a_loader_that_finds_nothing_names_where_it_looked(tmp_path, bad):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)) as err:
         call()
     assert bad == "geometry" or isinstance(err.value, MissingRunError)
+
+
+def test_results_root_names_every_place_it_looked(tmp_path, monkeypatch):
+    from moerl.analysis.results import MissingRunError, results_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOERL_X", "no/such/runs")
+    with pytest.raises(MissingRunError, match=rf"{tmp_path}/no/such/runs does not exist, nor does .*/no/such/runs \(set \$MOERL_X"):
+        results_root("MOERL_X")

@@ -50,12 +50,15 @@ def results_root(env: str = "MOERL_RESULTS", default: str = "results/runs") -> P
     Relative paths are tried from the current directory and then from the repository root, so a
     notebook runs the same from the repo root and from analysis/."""
     path = Path(os.environ.get(env) or default)
+    tried = [path.resolve()]
     if not path.is_absolute() and not path.exists():
         repo = Path(__file__).resolve().parents[3]
+        tried.append(repo / path)
         if (repo / path).exists():
             path = repo / path
     if not path.exists():
-        raise MissingRunError(f"{path} does not exist (set ${env} to a results directory, default {default})")
+        raise MissingRunError(f"{tried[0]} does not exist" + "".join(f", nor does {t}" for t in tried[1:])
+                              + f" (set ${env} to a results directory, default {default})")
     return path
 
 

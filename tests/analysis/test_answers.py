@@ -37,6 +37,8 @@ def test_run_names_with_overrides_are_paired_with_the_baseline_at_the_same_rung(
                                  "fp32_control"], "cfg/preset": ["qwen3_moe"] * 4})
     refs = family_references(runs)
     assert refs["tis+rollout.dtype=fp8"] == "baseline+rollout.dtype=fp8" and "fp32_control" not in refs
+    renamed = runs.assign(arm=runs["arm"].str.replace("=", "-"))  # the newer spelling: key-value
+    assert family_references(renamed)["tis+rollout.dtype-fp8"] == "baseline+rollout.dtype-fp8"
 
 
 def test_touched_and_routing_answers_follow_the_data():

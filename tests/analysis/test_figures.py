@@ -167,6 +167,7 @@ def test_a_run_with_overrides_takes_its_base_arms_colour_and_its_rung_a_line_sty
     assert plots.arm_style(fp8)["marker"] != plots.arm_style(nvfp4)["marker"]
     assert plots.arm_style("baseline+rollout.dtype=fp8")["ls"] == plots.arm_style(fp8)["ls"]
     assert plots.arm_style("mis")["ls"] == "-"
+    assert plots.arm_style("mis+rollout.dtype-fp8") == plots.arm_style(fp8)  # the newer spelling of the name
     fig = plots.curves(_frame([fp8, nvfp4, "baseline"]), [("mismatch/k3", "k3")], "t")
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert mcolors.to_rgba(lines[fp8].get_color()) == mcolors.to_rgba(lines[nvfp4].get_color()) \

@@ -101,8 +101,11 @@ def base_arm(run: str) -> str:
 
 
 def run_variant(run: str) -> str:
-    """What a run name adds to its arm: the overrides after the first ``+`` ('' for a plain arm)."""
-    return run.partition("+")[2]
+    """What a run name adds to its arm: its overrides as ``key=value,...`` ('' for a plain arm),
+    whichever spelling the run directory has (``tis+rollout.dtype-fp8`` or ``tis+rollout.dtype=fp8``)."""
+    from moerl.config import legacy_run_label
+
+    return legacy_run_label(run).partition("+")[2]
 
 
 def arm_color(arm: str):

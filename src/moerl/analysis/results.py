@@ -439,8 +439,10 @@ def family_references(runs: pd.DataFrame, name: str = "baseline") -> dict[str, s
     (``baseline+rollout.dtype=fp8``). Arms whose preset has no such arm are left out."""
     if "cfg/preset" not in runs:
         return {a: name for a in runs["arm"].unique()} if name in set(runs["arm"]) else {}
+    from moerl.config import legacy_run_label
+
     preset = runs.groupby("arm")["cfg/preset"].first()
-    split = {a: a.partition("+") for a in preset.index}
+    split = {a: legacy_run_label(a).partition("+") for a in preset.index}  # either spelling of the overrides
     bases = {(p, split[a][2]): a for a, p in preset.items() if split[a][0] == name or split[a][0].endswith(f"_{name}")}
     return {a: bases[(p, split[a][2])] for a, p in preset.items() if (p, split[a][2]) in bases}
 

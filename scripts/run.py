@@ -1,7 +1,7 @@
 """Run one arm of an experiment (embedded path): warm start (cached), then LoRA GRPO.
 
     python scripts/run.py experiments/00_tiny_moe_cpu/arms/baseline.yaml [--seed 1] [--resume | --fresh]
-                          [--print-config] [--debug] [key=value ...]
+                          [--unless-started] [--unverified-checkpoint] [--print-config] [--debug] [key=value ...]
 
 The run directory is <tracking.output_dir>/<experiment>/<arm>[+<overrides>]/seed<k> (default
 output: runs/, which git ignores; the recorded ablation in results/runs is never written to unless
@@ -9,7 +9,9 @@ asked for). Overrides that change what the run computes are part of its name, so
 in another run's directory. An existing run is never overwritten: continue it with --resume (only
 with the config it was started with), or move it aside with --fresh (renamed, not deleted). One
 process at a time writes a run directory: a second run or resume of a live one is refused, naming
-the live process (a lock on ``.seed<k>.lock`` beside the run, released when its process ends).
+the live process (a lock on ``.seed<k>.lock`` beside the run and on the run directory itself,
+released when its process ends). A resume verifies what it continues: every checkpoint's manifest
+(checksums, config hash, the base weights' content hash) and the metrics rows up to the checkpoint.
 
 Errors are one line naming the file, key or run and what to do; --debug shows the traceback.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 
@@ -29,6 +32,12 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     ap.add_argument("--fresh", action="store_true", help="rename an existing run directory aside and start over")
+    ap.add_argument("--unless-started", action="store_true",
+                    help="with --fresh: leave a run that is finished or checkpointed as it is (finished: nothing to "
+                         "do; checkpointed: continue it as --resume does); decided under the run's lock, so a "
+                         "sweep's plan made before another process got to the run cannot move it aside")
+    ap.add_argument("--unverified-checkpoint", action="store_true",
+                    help="with --resume: load a checkpoint that has no manifest.json, unchecked")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config and its run directory, then exit")
     ap.add_argument("--no-progress", action="store_true")
@@ -55,6 +64,17 @@ def run(args) -> dict | None:
     # One writer per run directory, taken before the run's state is looked at: a second run or a
     # resume of a live run is refused, naming the process that holds it.
     lock_run(run_dir)
+    if args.unless_started and not args.fresh:
+        raise UsageError("--unless-started qualifies --fresh; pass it with --fresh")
+    if args.unless_started and run_dir.is_dir():
+        from moerl.trainer.checkpoint import checkpoint_dirs
+
+        if (run_dir / "summary.json").exists() or checkpoint_dirs(run_dir):
+            finished = (run_dir / "summary.json").exists()
+            print(f"{run_dir} was {'finished' if finished else 'checkpointed'} by another process after this run "
+                  f"was planned: {'nothing to do' if finished else 'continuing it (--resume)'}, nothing moved aside",
+                  flush=True)
+            args.fresh, args.resume = False, not finished
     if (run_dir / "summary.json").exists() and not args.fresh:
         from moerl.tracking import check_same_config
 
@@ -71,14 +91,15 @@ def run(args) -> dict | None:
     from moerl.trainer.grpo import GRPOTrainer
 
     print(f"{'resuming' if args.resume else 'writing'} {run_dir} (config hash {config_hash(cfg)})", flush=True)
-    trainer = GRPOTrainer(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    trainer = GRPOTrainer(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
+                          unverified_checkpoint=args.unverified_checkpoint)
     sync_dir = trainer.tracker.wandb_sync_dir
     summary = trainer.train()
     print(json.dumps({k: summary[k] for k in ("run", "steps", "warm_start_accuracy", "initial_eval", "final_eval",
                                              "reward_first10", "reward_last10")}, indent=2))
     print(f"run directory: {run_dir}")
     if sync_dir is not None:
-        print(f"wandb (offline): upload with `wandb sync {sync_dir}`")
+        print(f"wandb (offline): upload with `wandb sync {shlex.quote(str(sync_dir))}`")
     return summary
 
 

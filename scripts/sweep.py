@@ -96,7 +96,10 @@ def build_command(python: str, config: str, seed: int, action: str, threads: int
     """run.py takes its options before the config (its positional overrides are greedy)."""
     if action not in ("resume", "fresh"):
         raise ValueError(f"build_command: action must be resume or fresh, got {action!r}")
-    return [python, str(run_script), "--seed", str(seed), "--no-progress", f"--{action}",
+    # --unless-started: the plan may be stale by the time the run starts (a sweep beside this one got to the
+    # run first); run.py then leaves a finished run alone and continues a checkpointed one.
+    extra = ["--unless-started"] if action == "fresh" else []
+    return [python, str(run_script), "--seed", str(seed), "--no-progress", f"--{action}", *extra,
             config, f"threads={threads}", *overrides]
 
 
@@ -511,9 +514,36 @@ def record(out_dir: Path, entry: dict) -> Path:
         return _record_locked(out_dir, entry)
 
 
+class RecordError(SystemExit):
+    """sweep.json cannot be read as a sweep record; the message names it and what to do."""
+
+
+def read_record(out_dir: Path) -> dict:
+    """sweep.json's content (an empty record when absent), or a RecordError naming the file: checked
+    before any run starts, so a damaged record is not found only after hours of runs."""
+    path = out_dir / "sweep.json"
+    if not path.exists():
+        return {"invocations": []}
+    try:
+        data = json.loads(path.read_text())
+        problem = None if isinstance(data, dict) and isinstance(data.get("invocations"), list) \
+            else "expected an object with an 'invocations' list"
+    except (ValueError, OSError) as err:
+        problem = " ".join(str(err).split())
+    if problem:
+        raise RecordError(f"{path}: not a readable sweep record ({problem}); move it aside (the runs' own "
+                          f"directories hold their results) and run the sweep again")
+    return data
+
+
 def _record_locked(out_dir: Path, entry: dict) -> Path:
     path = out_dir / "sweep.json"
-    data = json.loads(path.read_text()) if path.exists() else {"invocations": []}
+    try:
+        data = read_record(out_dir)
+    except RecordError as err:  # damaged while the runs ran: this invocation's entry is kept beside it
+        aside = out_dir / f"sweep.invocation-{entry['started'].replace(':', '')}.json"
+        aside.write_text(json.dumps(entry, indent=1) + "\n")
+        raise RecordError(f"{err.code} (this invocation's entry is in {aside})") from None
     data["invocations"].append(entry)
     data["total_wall_seconds"] = sum(i["wall_seconds"] for i in data["invocations"] if i["ran"])
     runs = data.setdefault("runs", {})
@@ -579,6 +609,7 @@ def sweep(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     experiment, out_dir, jobs = plan(Path(args.experiment_dir), seeds, arms, overrides, threads,
                                      run_script=args.run_script)
+    read_record(out_dir)  # a damaged sweep.json stops the sweep now, not after its runs
     todo = [j for j in jobs if j.action != "skip"]
     n_warm = len({j.warm_start for j in todo if j.warm_start})
     warm_threads = args.threads or threads_per_job(cores, min(n_jobs, max(n_warm, 1)))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.analysis.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
-                        RUNGS, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
+                        RUNGS, RunReadError, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
                         threshold, threshold_shift)
 from moerl.analysis.plots import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
@@ -495,7 +495,10 @@ def main() -> None:
     if args.pilots:
         print(pilot_rows([Path(p) for p in args.pilots]))
         return
-    runs = load_runs(Path(args.runs))
+    try:
+        runs = load_runs(Path(args.runs))
+    except RunReadError as err:
+        sys.exit(f"report: {err}")
     if not runs:
         sys.exit(f"report: no runs of {EXPERIMENT} under {args.runs} (run experiments/07_dose_threshold/launch.sh pilot)")
     out = Path(args.out)

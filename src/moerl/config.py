@@ -108,11 +108,17 @@ class WarmStartConfig:
     """Supervised pre-training so GRPO starts from a policy with non-trivial accuracy."""
 
     enabled: bool = True
-    steps: int = num(300, 0)
+    steps: int = num(300, 1)
     batch_size: int = num(256, 1)
     lr: float = num(2e-3, 0, open_low=True)
-    # Directory searched for a cached checkpoint (keyed by a hash of model config, task and seed).
+    # Directory searched for a cached checkpoint (keyed by a hash of model config, task and seed); a
+    # relative path is taken from the repository root, not the working directory, so a run resumed from
+    # another directory finds the base it was trained on.
     cache_dir: str = "results/warm_start"
+
+
+# Share of warm-start steps that OneCycleLR spends warming up (moerl.trainer.warm_start).
+WARM_START_PCT_START = 0.05
 
 
 @dataclass
@@ -768,9 +774,85 @@ def validate(cfg: ExperimentConfig) -> None:
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
     ]
+    checks += [(ok, message) for ok, message in name_checks(cfg)]
+    checks += [(ok, message) for ok, message in warm_start_checks(cfg.warm_start)]
+    checks += [(ok, message) for ok, message in ignored_key_checks(cfg)]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+_BAD_NAME_PARTS = ("/", "\\", "\0")
+
+
+def name_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
+    """``experiment`` and ``arm`` are directory names of the run (<output>/<experiment>/<arm>/seed<k>): each
+    must be one path part, or a run would be written outside the output directory or into another run's."""
+    out = []
+    for key in ("experiment", "arm"):
+        value = getattr(cfg, key)
+        ok = isinstance(value, str) and value not in ("", ".", "..") and not any(c in value for c in _BAD_NAME_PARTS)
+        out.append((ok, f"{key}={value!r} must be a single directory name (no '/', '\\', and not '', '.' or '..'): "
+                        f"it names the run's directory under tracking.output_dir"))
+    return out
+
+
+def warm_start_checks(ws: WarmStartConfig) -> list[tuple[bool, str]]:
+    """torch's OneCycleLR divides by its warm-up length, which is exactly zero at one schedule length."""
+    return [(not ws.enabled or float(WARM_START_PCT_START * ws.steps) - 1 != 0,
+             f"warm_start.steps={ws.steps} makes the warm start's OneCycleLR warm-up end at its first step "
+             f"({WARM_START_PCT_START:g} x {ws.steps} = 1), which torch's scheduler divides by zero on; "
+             f"use {ws.steps - 1} or {ws.steps + 1}")]
+
+
+def _is_default(cfg: Any, name: str) -> bool:
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    f = fields[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return getattr(cfg, name) == default
+
+
+def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
+    """A key set away from its default where the chosen task, engine or mode never reads it is an error:
+    a run would ignore it silently, yet carry it in its name and identity. (``warm_start.enabled=false`` is
+    the one switch that may leave its section set: a base file's warm-start schedule applies again when an
+    arm switches it back on.)"""
+    d, lo, rp, t, m, lr = cfg.data, cfg.loss, cfg.replay, cfg.trainer, cfg.model, cfg.lora
+    synthetic = d.task in ("arith", "arith_steps")
+    rules = [  # (section, keys, the condition under which they are ignored, why)
+        (d, ("train_path", "test_path", "hub_id"), synthetic,
+         f"data.task={d.task} generates its rows (data.train_size, data.test_size, data.max_a, data.max_bc)"),
+        (d, ("max_a", "max_bc"), not synthetic, f"data.task={d.task} reads its rows from files or the hub"),
+        (d, ("hub_id",), not synthetic and bool(d.train_path), "data.train_path is given and wins over data.hub_id"),
+        (d, ("test_path",), not synthetic and not d.train_path,
+         "data.test_path is read only with data.train_path (data.hub_id brings its own test split)"),
+        (lo, ("mis_lower", "mis_upper", "mis_veto"), lo.variant != "mis", f"loss.variant={lo.variant} (only mis reads it)"),
+        (lo, ("icepop_alpha", "icepop_beta"), lo.variant != "icepop",
+         f"loss.variant={lo.variant} (only icepop reads it)"),
+        (lo, ("gspo_eps_low", "gspo_eps_high"), lo.variant != "gspo", f"loss.variant={lo.variant} (only gspo reads it)"),
+        (lo, ("eps_low", "eps_high", "dual_clip_c"), lo.variant == "gspo",
+         "loss.variant=gspo clips its sequence ratio by loss.gspo_eps_low / loss.gspo_eps_high"),
+        (lo, ("is_level",), lo.variant not in ("tis", "mis"), f"loss.variant={lo.variant} (only tis and mis read it)"),
+        (rp, ("agreement_alarm",), rp.mode != "R3", f"replay.mode={rp.mode} (the alarm watches R3's replay)"),
+        (rp, ("strict",), rp.mode == "none", "replay.mode=none replays nothing to check"),
+        (t, ("samples_per_save",), t.samples_every == 0, "trainer.samples_every=0 saves no token samples"),
+        (t, ("paired_replay_every",), not cfg.rollout.capture_routing,
+         "rollout.capture_routing=false records no routes to pair"),
+        (lr, ("expert_mode",), not lr.target_experts, "lora.target_experts=false puts no LoRA on the experts"),
+        (m, ("n_shared_experts", "n_group", "topk_group"), m.preset != "deepseek_v3",
+         f"model.preset={m.preset} (only deepseek_v3 reads it)"),
+        (m, ("num_kv_heads",), m.preset == "deepseek_v3",
+         "model.preset=deepseek_v3 projects keys and values for every head (MLA)"),
+    ]
+    section_of = {id(getattr(cfg, f.name)): f.name for f in dataclasses.fields(cfg)
+                  if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    out = []
+    for section, keys, ignored, why in rules:
+        for key in keys:
+            if ignored and not _is_default(section, key):
+                name = f"{section_of[id(section)]}.{key}"
+                out.append((False, f"{name}={getattr(section, key)!r} has no effect: {why}; remove it"))
+    return out
 
 
 def config_yaml(cfg: ExperimentConfig) -> str:

@@ -6,7 +6,9 @@ A run directory holds everything needed to understand the run: the resolved conf
 the git SHA, metrics.jsonl, summary.json and checkpoints. Nothing in it is ever rewritten in place: files are
 replaced atomically (temporary file, fsync, rename), and on resume the rows after the restored checkpoint
 are dropped (they would otherwise be logged twice) after a copy of the old file is kept as metrics.jsonl.bak.
-A kill at any moment leaves metrics.jsonl with either all its old rows or exactly the kept ones.
+A kill at any moment leaves metrics.jsonl with either all its old rows or exactly the kept ones. Before
+that, a resume checks the rows it keeps (``check_logged_steps``): every step up to the checkpoint logged
+exactly once, or the resume is refused naming the first step missing or logged twice.
 """
 from __future__ import annotations
 
@@ -158,16 +160,73 @@ def read_metrics(path: Path, warn: bool = False) -> list[dict]:
     return rows
 
 
+class MetricsLogError(RuntimeError):
+    """A metrics.jsonl that does not hold the rows its checkpoint covers (a missing or duplicated step)."""
+
+
+def check_logged_steps(path: Path, step: int, final_step: int) -> None:
+    """metrics.jsonl of a run resumed from checkpoint ``step``: step 0's row (the initial evaluation) and
+    one training row for each step 1..step, each once; besides, one evaluation-only row may follow the
+    training row of ``final_step`` (the final evaluation). A MetricsLogError names the first step missing
+    or logged twice: continuing would leave a hole or a duplicate in the run's record. A truncated last
+    line is a row lost when it belongs to one of these steps, and then named too."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    truncated = bool(text.strip()) and _last_line_is_broken(text)
+    fix = (f"restore {path.name} (a resume keeps the file it replaced as {path.name}.bak) or start over with "
+           f"--fresh")
+    try:
+        rows = read_metrics(path)
+    except ValueError as err:
+        raise MetricsLogError(f"{err}; {fix}") from None
+    train, evals = {}, {}
+    for i, row in enumerate(rows):
+        s = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(s, int) or isinstance(s, bool):
+            raise MetricsLogError(f"{path}: row {i + 1} has no integer 'step' ({str(row)[:80]}); expected one JSON "
+                                  f"object per step")
+        if s > step:
+            continue
+        kind = train if (s > 0 and "reward/mean" in row) else evals
+        kind[s] = kind.get(s, 0) + 1
+    for s in range(step + 1):
+        n = evals.get(0, 0) if s == 0 else train.get(s, 0)
+        if n == 0:
+            hint = "; its last line is truncated (a kill while writing it?)" if truncated else ""
+            raise MetricsLogError(f"{path}: no row for step {s}, which checkpoint step_{step} covers (steps 0..{step} "
+                                  f"must each be logged once){hint}; {fix}")
+        extra = evals.get(s, 0) if s > 0 else 0
+        allowed = 1 if s == final_step else 0
+        if n > 1 or extra > allowed:
+            raise MetricsLogError(f"{path}: step {s} is logged {n + extra} times (steps 0..{step} must each be logged "
+                                  f"once); {fix}")
+
+
+def _last_line_is_broken(text: str) -> bool:
+    try:
+        json.loads([line for line in text.splitlines() if line.strip()][-1])
+        return False
+    except json.JSONDecodeError:
+        return True
+
+
+RUN_FORMAT = 2  # run.json "format": 2 = every checkpoint carries a manifest and the base-weights hash
+
+
 class Tracker:
-    def __init__(self, run_dir: Path, cfg: ExperimentConfig, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, cfg: ExperimentConfig, resume_step: int | None = None,
+                 base_hash: str | None = None, legacy_run: bool = False):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if resume_step is not None:
             self._truncate_after(resume_step)
         atomic_write_text(self.run_dir / "config.yaml", config_yaml(cfg))
-        atomic_write_text(self.run_dir / "run.json", json.dumps(
-            {"run": cfg.run_name, "config_hash": config_hash(cfg), "identity": identity_dict(cfg)}, indent=1) + "\n")
+        # base_hash: the content of the base weights the LoRA trains on; format: what the run's checkpoints
+        # carry (a run continued from checkpoints written before manifests keeps reading as such).
+        record = {"run": cfg.run_name, "config_hash": config_hash(cfg), "base_hash": base_hash,
+                  **({} if legacy_run else {"format": RUN_FORMAT}), "identity": identity_dict(cfg)}
+        atomic_write_text(self.run_dir / "run.json", json.dumps(record, indent=1) + "\n")
         # The rollout's kernels decide whether its bf16 numbers depend on this machine (native) or not.
         self.machine = {**machine_info(), "rollout_dtype": cfg.rollout.dtype, "rollout_kernels": cfg.rollout.kernels}
         atomic_write_text(self.run_dir / "machine.json", json.dumps(self.machine, indent=2) + "\n")

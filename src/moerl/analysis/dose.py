@@ -105,15 +105,33 @@ def run_summary(rows: list[dict]) -> dict:
             "collapse_step": collapse_step(rows)}
 
 
+class RunReadError(ValueError):
+    """A run directory of the experiment that cannot be read; the message names the file."""
+
+
 def load_runs(root: str | Path) -> list[dict]:
-    """Every run of the experiment: arm, rung (its rollout.dtype), seed and its summary."""
+    """Every run of the experiment: arm, rung (its rollout.dtype), seed and its summary. A run directory
+    without a readable config.yaml or metrics.jsonl is a RunReadError naming the file: a table that
+    silently left a run out would report other seeds than it says."""
     runs = []
     for metrics in sorted((Path(root) / EXPERIMENT).glob("*/seed*/metrics.jsonl")):
         run = metrics.parent
         if not re.fullmatch(r"seed\d+", run.name):  # e.g. seed1.old-<time>, set aside by run.py --fresh
             continue
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-        summary = run_summary(read_metrics(metrics))
+        fix = f"restore it, or move {run} out of {root}"
+        try:
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+        except FileNotFoundError:
+            raise RunReadError(f"{run / 'config.yaml'}: missing (every run writes it first); {fix}") from None
+        except yaml.YAMLError as err:
+            raise RunReadError(f"{run / 'config.yaml'}: not valid YAML ({' '.join(str(err).split())[:120]}); "
+                               f"{fix}") from None
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("rollout"), dict) or "trainer" not in cfg:
+            raise RunReadError(f"{run / 'config.yaml'}: not a run's config (no rollout/trainer sections); {fix}")
+        try:
+            summary = run_summary(read_metrics(metrics))
+        except ValueError as err:  # a bad line other than a truncated last one
+            raise RunReadError(f"{err}; {fix}") from None
         if summary["steps"]:
             model, rollout = cfg.get("model", {}), cfg["rollout"]
             setup = (f"{model.get('preset', '?')} {model.get('num_layers', '?')} x {model.get('num_experts', '?')} "

@@ -54,10 +54,33 @@ def build_hf_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
     return hf
 
 
+def max_positions(cfg: ModelConfig) -> int:
+    """The positions the model is built with (256, or ``model.overrides.max_position_embeddings``)."""
+    return int(cfg.overrides.get("max_position_embeddings", 256))
+
+
+def check_overrides(cfg: ModelConfig, tokenizer) -> None:
+    """Build the model with ``model.overrides`` and run two tokens through it: an override value the model
+    class cannot take fails deep inside transformers (an IndexError, a ZeroDivisionError) naming no key.
+    Raises a ConfigError naming ``model.overrides``. Nothing to do without overrides."""
+    from moerl.config import ConfigError
+
+    if not cfg.overrides:
+        return
+    try:
+        model = build_model(cfg, tokenizer)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[tokenizer.bos_token_id, tokenizer.pad_token_id]]))
+    except Exception as err:  # noqa: BLE001 - whatever the model class raises, the override is the cause
+        raise ConfigError(f"model.overrides={cfg.overrides}: the model cannot be built or run with it "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:160]}); fix or remove the override") \
+            from None
+
+
 def build_model(cfg: ModelConfig, tokenizer, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised fp32 causal LM for ``cfg`` (deterministic in ``seed``)."""
     hf_cfg = build_hf_config(cfg, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
-                             tokenizer.eos_token_id)
+                             tokenizer.eos_token_id, max_positions(cfg))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_cfg, experts_implementation=cfg.experts_implementation,
                                              attn_implementation="sdpa")

@@ -5,16 +5,20 @@ checkpoint aside before deleting it, and leftovers of a crash (temp or half-dele
 are removed at the next save or resume, so a kill at any moment leaves nothing that looks like a
 checkpoint but is not one, and nothing that is never cleaned up.
 
-Each checkpoint ends with ``manifest.json``, written last: the xxh3-64 checksum of every file and the
-config hash of the run. A resume verifies it and, when a file was damaged afterwards (a flipped bit,
-a truncated copy), falls back to the previous intact checkpoint with a warning naming the damaged one.
-Checkpoints written before manifests existed load unverified, with a warning.
+Each checkpoint ends with ``manifest.json``, written last: the xxh3-64 checksum of every file, the
+config hash of the run and the content hash of the base weights the LoRA was trained on. A resume
+verifies it and, when a file was damaged afterwards (a flipped bit, a truncated copy, a lost
+manifest), falls back to the previous intact checkpoint with a warning naming the damaged one. A
+checkpoint without a manifest loads unverified only in a run that predates manifests (its run.json
+records no ``format`` and none of its checkpoints has one) or when asked to (``--unverified-checkpoint``).
+Only ``step_<N>`` directories are checkpoints; anything else under ``checkpoints/`` is left alone.
 """
 from __future__ import annotations
 
 import json
 import logging
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +33,9 @@ from moerl import faults
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+_STEP = re.compile(r"step_(\d+)")
+_LEFTOVER = re.compile(r"\.step_\d+\.(tmp|deleting)")
+_WARNED: set[Path] = set()  # stray names already reported by this process
 
 
 class CheckpointError(RuntimeError):
@@ -44,8 +51,27 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
-    done = [p for p in root.glob("step_*") if (p / "state.json").exists()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+    done = [p for p in _step_entries(root) if (p / "state.json").exists()]
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """N of ``checkpoints/step_N``."""
+    return int(_STEP.fullmatch(Path(path).name).group(1))
+
+
+def _step_entries(root: Path) -> list[Path]:
+    """The ``step_<N>`` directories under ``root``; any other ``step_*`` entry (a user's ``step_9.bak``)
+    is named once in a warning and neither loaded nor deleted."""
+    out = []
+    for p in root.glob("step_*"):
+        if _STEP.fullmatch(p.name) and p.is_dir():
+            out.append(p)
+        elif p not in _WARNED:
+            _WARNED.add(p)
+            log.warning("%s is not a checkpoint (checkpoints are directories named step_<N>): ignored, left as it is",
+                        p)
+    return out
 
 
 def incomplete_dirs(run_dir: Path) -> list[Path]:
@@ -54,8 +80,8 @@ def incomplete_dirs(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
-    return sorted([p for p in root.glob(".step_*") if p.is_dir()]
-                  + [p for p in root.glob("step_*") if p.is_dir() and not (p / "state.json").exists()])
+    return sorted([p for p in root.glob(".step_*") if p.is_dir() and _LEFTOVER.fullmatch(p.name)]
+                  + [p for p in _step_entries(root) if not (p / "state.json").exists()])
 
 
 def _first_line(err: BaseException) -> str:
@@ -63,11 +89,13 @@ def _first_line(err: BaseException) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
-                    keep: int = 2, export=None, config_hash: str | None = None) -> Path:
+                    keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to ``keep``.
     ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
     trainer writes the LoRA there as PEFT / vLLM adapters). ``config_hash`` goes into the manifest:
-    a resume with another config is refused even when run.json and config.yaml are gone."""
+    a resume with another config is refused even when run.json and config.yaml are gone; ``base_hash`` (the
+    content hash of the base weights, ``moerl.trainer.warm_start.weights_hash``) too: a resume on another
+    base is refused."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     remove_incomplete(run_dir)
@@ -90,7 +118,7 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
         current = tmp / "state.json"
         current.write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
         current = tmp / MANIFEST  # last: it vouches for every file above
-        current.write_text(json.dumps({"config_hash": config_hash, "checksum": "xxh3_64",
+        current.write_text(json.dumps({"config_hash": config_hash, "base_hash": base_hash, "checksum": "xxh3_64",
                                        "files": _digests(tmp)}, indent=1) + "\n")
     except Exception as err:  # noqa: BLE001 - disk full surfaces as OSError, SafetensorError or RuntimeError
         reason = _first_line(err) + _no_space_hint(err, root)
@@ -178,15 +206,20 @@ def _read(path: Path) -> tuple[dict, dict, dict, dict]:
     return tensors, optimizer, rng, state
 
 
-def verify_checkpoint(path: Path, config_hash: str | None = None) -> None:
+def verify_checkpoint(path: Path, config_hash: str | None = None, unverified_ok: bool = False) -> None:
     """Check a checkpoint against its manifest (every file's checksum, and the config hash when
     given), then that every file reads. DamagedCheckpointError names the file; a checkpoint of
-    another config is a RunMismatchError. Without a manifest (written by an older version) only
-    the reading is checked, with a warning."""
+    another config is a RunMismatchError. A checkpoint without a manifest is damaged, unless
+    ``unverified_ok`` (a run that predates manifests, or asked for): then only the reading is checked,
+    with a warning."""
     from moerl.tracking import RunMismatchError
 
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
+        if not unverified_ok:
+            raise DamagedCheckpointError(f"{manifest_path}: missing (this run writes one into every checkpoint, "
+                                         f"last: the checkpoint is incomplete or was changed; "
+                                         f"--unverified-checkpoint loads it unchecked)")
         log.warning("%s has no %s (written before checkpoints carried checksums): loading it unverified",
                     path, MANIFEST)
     else:
@@ -231,9 +264,42 @@ class RunFinishedError(CheckpointError):
     """``--resume`` of a run that already wrote summary.json: resuming would only add rows."""
 
 
-def resumable_checkpoint(run_dir: Path, cfg) -> Path:
+def predates_manifests(run_dir: Path) -> bool:
+    """A run written before checkpoints carried manifests: its run.json records no ``format`` and none of
+    its checkpoints has a manifest (a version that writes manifests writes one into every checkpoint)."""
+    run_json = Path(run_dir) / "run.json"
+    try:
+        recorded = json.loads(run_json.read_text()) if run_json.exists() else {}
+    except ValueError:
+        recorded = {}
+    if isinstance(recorded, dict) and recorded.get("format") is not None:
+        return False
+    return not any((p / MANIFEST).exists() for p in checkpoint_dirs(run_dir))
+
+
+def base_hash_of(path: Path) -> str | None:
+    """The base-weights hash a checkpoint's manifest records (None: none recorded)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("base_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_same_base(path: Path, base_hash: str, where: str) -> None:
+    """Refuse to continue checkpoint ``path`` on base weights other than those it was trained on."""
+    from moerl.tracking import RunMismatchError
+
+    recorded = base_hash_of(path)
+    if recorded is not None and recorded != base_hash:
+        raise RunMismatchError(f"{path} was trained on base weights {recorded}, but this run loaded {base_hash} "
+                               f"from {where}: continuing its LoRA on another base would mix two runs; restore the "
+                               f"warm start it was trained on (warm_start.cache_dir), or start over with --fresh")
+
+
+def resumable_checkpoint(run_dir: Path, cfg, unverified_ok: bool = False) -> Path:
     """The checkpoint a ``--resume`` continues from, after checking the run can be continued:
-    not finished, recorded with the same config, and checkpointed at least once."""
+    not finished, recorded with the same config, and checkpointed at least once. A checkpoint
+    without a manifest counts as damaged unless the run predates manifests or ``unverified_ok``."""
     from moerl.tracking import check_same_config
 
     run_dir = Path(run_dir)
@@ -253,9 +319,10 @@ def resumable_checkpoint(run_dir: Path, cfg) -> Path:
     from moerl.config import config_hash
 
     damaged = []
+    unverified_ok = unverified_ok or predates_manifests(run_dir)
     for path in reversed(saved):
         try:
-            verify_checkpoint(path, config_hash(cfg))
+            verify_checkpoint(path, config_hash(cfg), unverified_ok)
         except DamagedCheckpointError as err:
             damaged.append((path, err))
             continue

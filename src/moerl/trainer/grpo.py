@@ -37,17 +37,17 @@ from moerl.reward import batch_rewards
 from moerl.rollout.batch import RolloutBatch
 from moerl.rollout.hf import HFEngine
 from moerl.runlock import lock_run, unlock_run
-from moerl.tracking import Tracker
+from moerl.tracking import Tracker, check_logged_steps
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
-from moerl.trainer.checkpoint import (checkpoint_dirs, load_checkpoint, remove_incomplete, resumable_checkpoint,
-                                     save_checkpoint)
+from moerl.trainer.checkpoint import (MANIFEST, check_same_base, checkpoint_dirs, checkpoint_step, load_checkpoint,
+                                     predates_manifests, remove_incomplete, resumable_checkpoint, save_checkpoint)
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import (AgreementAlarm, extreme_token_curve, mismatch_metrics, paired_replay_effect,
                                   routing_divergence, token_samples)
-from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir
+from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +115,31 @@ def _micro_batch_trace(replay: RoutingTrace | None, batch: RolloutBatch, sub: Ro
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
+                 unverified_checkpoint: bool = False):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         self.train_rows, self.test_rows = check_splits(cfg)  # before anything is trained or written
-        lock_run(self.run_dir)  # one writer per run directory (scripts/run.py takes it earlier)
+        # One writer per run directory (scripts/run.py takes it earlier); the directory itself is locked
+        # too, so deleting the lock file beside it lets no second writer in.
+        lock_run(self.run_dir, create=not resume)
+        legacy = False
         if resume:  # checked before any work: a resume that cannot happen says so at once
-            saved = resumable_checkpoint(self.run_dir, cfg)
+            saved = resumable_checkpoint(self.run_dir, cfg, unverified_ok=unverified_checkpoint)
+            legacy = not (saved / MANIFEST).exists() and predates_manifests(self.run_dir)
+            # The rows it continues: every step up to the checkpoint logged once (no hole, no duplicate).
+            check_logged_steps(self.run_dir / "metrics.jsonl", checkpoint_step(saved), cfg.trainer.steps)
             remove_incomplete(self.run_dir)  # a kill mid-prune of the last checkpoint leaves a .deleting
+            for junk in (self.run_dir / "samples").glob(".step_*.npz"):  # a kill inside save_token_samples
+                junk.unlink()
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
         torch.manual_seed(cfg.seed)
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
+        self.base_hash = weights_hash(base)  # what the LoRA trains on, by content (run.json, every checkpoint)
+        if resume:
+            check_same_base(saved, self.base_hash, str(warm_start_dir(cfg)) if cfg.warm_start.enabled
+                            else "the random init (warm_start.enabled=false)")
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
 
         self.policy = apply_lora(base, cfg.lora, cfg.model.preset)
@@ -169,7 +182,7 @@ class GRPOTrainer:
             self.agreement_alarm.reference = state.get("agreement_reference")
             self.refitter.sync()
             log.info("resumed %s at step %d", self.run_dir, self.step_idx)
-        self.tracker = Tracker(self.run_dir, cfg, resume_step)
+        self.tracker = Tracker(self.run_dir, cfg, resume_step, base_hash=self.base_hash, legacy_run=legacy)
 
     # ------------------------------------------------------------------------------------------
     # One GRPO step
@@ -384,9 +397,15 @@ class GRPOTrainer:
         samples = token_samples(batch.rollout_logprobs, old_logp, mask, self.cfg.loss,
                                 self.cfg.trainer.samples_per_save,
                                 generator=torch.Generator().manual_seed(self.step_idx))
+        final = out / f"step_{self.step_idx:05d}.npz"
         tmp = out / f".step_{self.step_idx:05d}.npz"
-        np.savez_compressed(tmp, **samples)
-        tmp.rename(out / f"step_{self.step_idx:05d}.npz")
+        try:
+            np.savez_compressed(tmp, **samples)
+        except OSError as err:  # a full disk: no half-written file left, the run resumable
+            tmp.unlink(missing_ok=True)
+            raise OSError(err.errno, f"could not write token samples {final} ({err.strerror or err}); no partial "
+                                     f"file kept; free space and continue with --resume") from err
+        tmp.rename(final)
 
     def save(self) -> None:
         """Checkpoint for exact resume, with the LoRA also exported as stock PEFT and vLLM adapters
@@ -396,7 +415,7 @@ class GRPOTrainer:
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
                         export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
-                        config_hash=config_hash(self.cfg))
+                        config_hash=config_hash(self.cfg), base_hash=self.base_hash)
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:
@@ -453,7 +472,9 @@ class GRPOTrainer:
                                                                      "replay_effect/"))})
         return {"run": self.cfg.run_name, "steps": self.step_idx,
                 "warm_start_accuracy": self.warm_start_meta.get("test_accuracy"),
-                "initial_eval": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else None,
+                # Step 0's row, never a later evaluation standing in for a lost one.
+                "initial_eval": next(({k: v for k, v in r.items() if k.startswith("eval/")} for r in evals
+                                      if r.get("step") == 0), None),
                 "final_eval": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else None,
                 "reward_first10": float(np.mean([r["reward/mean"] for r in train[:10]])) if train else None,
                 "reward_last10": float(np.mean([r["reward/mean"] for r in train[-10:]])) if train else None,
@@ -472,11 +493,19 @@ def warn_passive_openmp(threads: int) -> None:
 
 def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
     """The task's (train, test) rows, or a DataError naming the file: a run needs both (a pass@1
-    of 0.0 measured on no test rows would be reported as a result)."""
+    of 0.0 measured on no test rows would be reported as a result). The rows are checked against the
+    model (unknown characters warned about, prompts longer than its positions refused), and
+    ``model.overrides`` by building the model, before anything is written."""
+    from moerl.data.checks import check_rows
+    from moerl.data.tokenizer import build_tokenizer
+    from moerl.models.presets import check_overrides, max_positions
+
     train, test = load_splits(cfg.data)
     if not test:
         raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
                         f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
+    check_overrides(cfg.model, build_tokenizer())
+    check_rows(cfg, train, test[: cfg.trainer.eval_size], max_positions(cfg.model))
     return train, test
 
 

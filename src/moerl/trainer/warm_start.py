@@ -5,6 +5,10 @@ with 20-60 % pass@1 gives groups with mixed rewards. The checkpoint is keyed by 
 (model config, data config, warm-start config), so any change to them retrains, and the
 committed checkpoint is reused when nothing changed. Regenerate with
 ``python scripts/warm_start.py experiments/00_tiny_moe_cpu/base.yaml``.
+
+A relative ``warm_start.cache_dir`` is taken from the repository root, so every working directory finds
+the same cache. What a run was trained on is the content of its base weights (``weights_hash``), which
+run.json and every checkpoint record: a resume on other base weights is refused, whatever their path.
 """
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from moerl.config import ExperimentConfig, to_dict
+from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict
 from moerl.data import load_splits
 from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
 from moerl.models.presets import build_model
 
 log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def warm_start_key(cfg: ExperimentConfig) -> str:
@@ -36,7 +43,20 @@ def warm_start_key(cfg: ExperimentConfig) -> str:
 
 
 def warm_start_dir(cfg: ExperimentConfig) -> Path:
-    return Path(cfg.warm_start.cache_dir) / warm_start_key(cfg)
+    """``<cache_dir>/<key>``; a relative cache_dir is taken from the repository root, not the working directory."""
+    root = Path(cfg.warm_start.cache_dir).expanduser()
+    return (root if root.is_absolute() else REPO / root) / warm_start_key(cfg)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """xxh3-64 of a model's weights (every state_dict entry's name, dtype, shape and bytes, in name order):
+    the identity of the base a LoRA is trained on, whatever file or directory it came from."""
+    h = xxhash.xxh3_64()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _sft_batch(rows: list[dict], tokenizer, task: str):
@@ -67,7 +87,8 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
     model.config.output_router_logits = True  # adds the load-balancing aux loss during SFT
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, weight_decay=0.0)
     steps = cfg.warm_start.steps
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=steps,
+                                                pct_start=WARM_START_PCT_START)
     rng = random.Random(cfg.data.seed)
     start = time.time()
     bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress)

@@ -814,9 +814,10 @@ def _is_default(cfg: Any, name: str) -> bool:
 
 def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
     """A key set away from its default where the chosen task, engine or mode never reads it is an error:
-    a run would ignore it silently, yet carry it in its name and identity. (``warm_start.enabled=false`` is
-    the one switch that may leave its section set: a base file's warm-start schedule applies again when an
-    arm switches it back on.)"""
+    a run would ignore it silently, yet carry it in its name and identity. Two switches may leave their
+    settings in place, since a base file's values apply again when an arm switches them back on:
+    ``warm_start.enabled=false`` (the warm-start schedule) and ``trainer.samples_every=0``
+    (``trainer.samples_per_save``)."""
     d, lo, rp, t, m, lr = cfg.data, cfg.loss, cfg.replay, cfg.trainer, cfg.model, cfg.lora
     synthetic = d.task in ("arith", "arith_steps")
     rules = [  # (section, keys, the condition under which they are ignored, why)
@@ -835,7 +836,6 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
         (lo, ("is_level",), lo.variant not in ("tis", "mis"), f"loss.variant={lo.variant} (only tis and mis read it)"),
         (rp, ("agreement_alarm",), rp.mode != "R3", f"replay.mode={rp.mode} (the alarm watches R3's replay)"),
         (rp, ("strict",), rp.mode == "none", "replay.mode=none replays nothing to check"),
-        (t, ("samples_per_save",), t.samples_every == 0, "trainer.samples_every=0 saves no token samples"),
         (t, ("paired_replay_every",), not cfg.rollout.capture_routing,
          "rollout.capture_routing=false records no routes to pair"),
         (lr, ("expert_mode",), not lr.target_experts, "lora.target_experts=false puts no LoRA on the experts"),

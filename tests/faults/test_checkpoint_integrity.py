@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import fault_fixtures
 from fault_fixtures import killed_run
 from kill_harness import REPO, assert_identical_runs, fails_with, overrides
 from moerl.config import load_config
-from moerl.trainer.checkpoint import checkpoint_dirs, resumable_checkpoint, save_checkpoint
+from moerl.trainer.checkpoint import CheckpointError, checkpoint_dirs, resumable_checkpoint, save_checkpoint
 from moerl.trainer.grpo import GRPOTrainer
 
 kill_at = fault_fixtures.kill_at  # the fixture, bound here so pytest finds it
@@ -45,7 +46,8 @@ def test_unreadable_checkpoints_are_named_and_skipped(tmp_path, caplog):
     cfg = load_config(ARM, overrides(tmp_path))
     run = cfg.run_dir
     first, second = _save(run, 1), _save(run, 2)
-    (second / MANIFEST).unlink(missing_ok=True)  # as written before checkpoints carried checksums
+    for saved in (first, second):  # as written before checkpoints carried checksums
+        (saved / MANIFEST).unlink()
     (second / "state.json").write_text("")
     with caplog.at_level(logging.WARNING):
         assert resumable_checkpoint(run, cfg) == first
@@ -59,14 +61,36 @@ def test_unreadable_checkpoints_are_named_and_skipped(tmp_path, caplog):
                         f"checkpoint(s) {second}, {first} (--debug shows the traceback)"), msg
 
 
-def test_a_checkpoint_without_manifest_still_resumes(tmp_path, caplog):
+def test_a_run_that_predates_manifests_still_resumes(tmp_path, caplog):
     cfg = load_config(ARM, overrides(tmp_path))
-    _save(cfg.run_dir, 1)
-    legacy = _save(cfg.run_dir, 2)
-    (legacy / MANIFEST).unlink(missing_ok=True)
+    for step in (1, 2):  # no run.json format, no checkpoint with a manifest: written by an older version
+        (_save(cfg.run_dir, step) / MANIFEST).unlink()
+    legacy = checkpoint_dirs(cfg.run_dir)[-1]
     with caplog.at_level(logging.WARNING):
         assert resumable_checkpoint(cfg.run_dir, cfg) == legacy
     assert f"{legacy} has no {MANIFEST} (written before checkpoints carried checksums)" in caplog.text
+
+
+def test_a_checkpoint_without_manifest_is_not_loaded_unverified(tmp_path, caplog):
+    """A run that writes manifests writes one into every checkpoint: one without is damaged, and the
+    resume falls back to the previous verified checkpoint (or loads it with --unverified-checkpoint)."""
+    cfg = load_config(ARM, overrides(tmp_path))
+    first = _save(cfg.run_dir, 1)
+    second = _save(cfg.run_dir, 2)
+    (second / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert resumable_checkpoint(cfg.run_dir, cfg) == first
+    assert f"damaged checkpoint {second} ({second / MANIFEST}: missing (this run writes one into every " \
+           f"checkpoint" in caplog.text
+    assert f"resuming from the previous complete checkpoint {first}" in caplog.text
+    assert resumable_checkpoint(cfg.run_dir, cfg, unverified_ok=True) == second
+    # run.json of this version records the format: with no other checkpoint left, nothing is loaded unchecked
+    (first / MANIFEST).unlink()
+    (cfg.run_dir / "run.json").write_text('{"format": 2, "identity": null}')
+    with pytest.raises(CheckpointError, match=f"no intact checkpoint to resume from .*{MANIFEST}: missing"):
+        resumable_checkpoint(cfg.run_dir, cfg)
+    msg = fails_with([ARM, "--resume", *overrides(tmp_path)])
+    assert f"{cfg.run_dir}: no intact checkpoint to resume from ({second / MANIFEST}: missing" in msg, msg
 
 
 def test_a_checkpoint_of_another_config_is_refused_without_run_json(tmp_path, kill_at):

@@ -3,6 +3,7 @@ into new rows, no run of one config continued with another."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -76,13 +77,15 @@ def test_run_says_where_it_writes_and_how_to_sync(tmp_path, capsys, monkeypatch)
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb; this run asks for offline
     tiny = ["warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=1",
             "trainer.mini_batches=1", "trainer.eval_size=4", "trainer.eval_every=0", "data.train_size=64",
-            "data.test_size=4", "tracking.wandb_mode=offline", f"tracking.output_dir={tmp_path}", "threads=1"]
+            "data.test_size=4", "tracking.wandb_mode=offline", f"tracking.output_dir={tmp_path / 'my runs'}",
+            "threads=1"]
     summary = run_script.main([ARM, "--no-progress", *tiny])
     run = load_config(ARM, tiny).run_dir
     out = capsys.readouterr().out
     assert f"writing {run} (config hash " in out and f"run directory: {run}" in out
     sync = next(line for line in out.splitlines() if "wandb sync" in line)
-    assert Path(sync.split("wandb sync ")[1].rstrip("`")).parent == run / "wandb"
+    command = shlex.split(sync.split("`")[1])  # a path with a space is quoted for the shell
+    assert command[:2] == ["wandb", "sync"] and len(command) == 3 and Path(command[2]).parent == run / "wandb"
     machine = json.loads((run / "machine.json").read_text())
     assert summary["steps"] == 1 and json.loads((run / "summary.json").read_text())["machine"] == machine
     assert set(machine["isa_flags"]) >= {"avx512_bf16", "amx_bf16"} and machine["torch_threads"] == 1
@@ -100,8 +103,9 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
 
 
 def test_a_live_run_has_one_writer(tmp_path):
-    """A second start or a --resume of a run that is live is refused, naming the live process; the
-    live run's rows are untouched (no truncation under its writer, no second writer)."""
+    """A second start or a --resume of a run that is live is refused, naming the live process, also after
+    its lock file was deleted; the live run's rows are untouched (no truncation under its writer, no
+    second writer)."""
     import os
     import subprocess
     import sys
@@ -121,6 +125,13 @@ def test_a_live_run_has_one_writer(tmp_path):
         while not (run / "checkpoints" / "step_1" / "state.json").exists():
             assert live.poll() is None and time.monotonic() < deadline, "the live run never checkpointed"
             time.sleep(0.2)
+        for extra in (["--resume"], []):
+            msg = fails_with([ARM, *extra, *args])
+            assert f"{run} is in use by process {live.pid}" in msg, msg
+        # A cleanup deletes the lock file under the live run: the run directory's own lock still holds.
+        from moerl.runlock import lock_path
+
+        lock_path(run).unlink()
         for extra in (["--resume"], []):
             msg = fails_with([ARM, *extra, *args])
             assert f"{run} is in use by process {live.pid}" in msg, msg

@@ -70,7 +70,7 @@ def check_overrides(cfg: ModelConfig, tokenizer) -> None:
     try:
         model = build_model(cfg, tokenizer)
         with torch.no_grad():
-            model(input_ids=torch.tensor([[tokenizer.bos_token_id, tokenizer.pad_token_id]]))
+            model(input_ids=torch.tensor([[tokenizer.bos_token_id, len(tokenizer) - 1]]))  # the largest id
     except Exception as err:  # noqa: BLE001 - whatever the model class raises, the override is the cause
         raise ConfigError(f"model.overrides={cfg.overrides}: the model cannot be built or run with it "
                           f"({type(err).__name__}: {' '.join(str(err).split())[:160]}); fix or remove the override") \

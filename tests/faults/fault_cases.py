@@ -66,6 +66,17 @@ CASES = [
     Case("SIGTERM, SIGINT or `kill -9` to scripts/sweep.py", "`[sweep] SIGTERM: stopped 1 run(s); run the sweep "
          "again to resume them` (nothing after `kill -9`)", "no run of the sweep keeps training: a re-run finds no "
          "second writer", "test_sweep_children.py::test_a_stopped_sweep_leaves_no_run_training"),
+    Case("the lock file of a live run deleted (`rm .seed0.lock`), then a second start or `--resume`",
+         "`<run> is in use by process <pid> ...`: the run directory itself is locked too",
+         "the live run's rows; no second writer", "test_run_cli.py::test_a_live_run_has_one_writer"),
+    Case("a sweep whose plan went stale (a sweep beside it finished the run it planned to start fresh)",
+         "`<run> was finished by another process after this run was planned: nothing to do, nothing moved aside` "
+         "(a checkpointed run is continued instead)", "the finished run, in place",
+         "test_resume_verified.py::test_a_stale_sweep_plan_does_not_move_a_finished_run_aside"),
+    Case("a damaged `sweep.json`", "`<out>/sweep.json: not a readable sweep record (...); move it aside ... and run "
+         "the sweep again`, before any run starts (damaged during the runs: the invocation's entry is written "
+         "beside it)", "every run and the damaged record as they were",
+         "test_resume_verified.py::test_a_corrupt_sweep_record_stops_the_sweep_before_its_runs"),
     # -- checkpoints --------------------------------------------------------------------------------
     Case("a flipped bit in a checkpoint file (`lora.safetensors`)", "a warning `damaged checkpoint <step_N> "
          "(<file>: checksum mismatch ...): resuming from the previous complete checkpoint <step_M>`",
@@ -75,9 +86,31 @@ CASES = [
          "checkpoint; with none left `<run>: no intact checkpoint to resume from (<file>: cannot be read (...)); "
          "start the run over with --fresh ..., or delete the damaged checkpoint(s) <paths>`",
          "the previous intact checkpoint", "test_checkpoint_integrity.py::test_unreadable_checkpoints_are_named_and_skipped"),
-    Case("a checkpoint written before checkpoints carried checksums (no `manifest.json`)",
-         "a warning `<checkpoint> has no manifest.json ...: loading it unverified`", "the run resumes as before",
-         "test_checkpoint_integrity.py::test_a_checkpoint_without_manifest_still_resumes"),
+    Case("a checkpoint written before checkpoints carried checksums (no `manifest.json` in any checkpoint, no "
+         "`format` in run.json)", "a warning `<checkpoint> has no manifest.json ...: loading it unverified`",
+         "the run resumes as before", "test_checkpoint_integrity.py::test_a_run_that_predates_manifests_still_resumes"),
+    Case("a checkpoint without `manifest.json` in a run that writes manifests", "a warning `damaged checkpoint "
+         "<step_N> (<step_N>/manifest.json: missing ...; --unverified-checkpoint loads it unchecked)`, then the "
+         "previous verified checkpoint; with none left `<run>: no intact checkpoint to resume from ...`",
+         "the previous verified checkpoint; nothing loaded unchecked unless asked",
+         "test_checkpoint_integrity.py::test_a_checkpoint_without_manifest_is_not_loaded_unverified"),
+    Case("`--resume` on other base weights (a warm start changed, or another `warm_start.cache_dir` holding "
+         "different weights)", "`<checkpoint> was trained on base weights <h>, but this run loaded <h'> from "
+         "<dir>: ...; restore the warm start it was trained on (warm_start.cache_dir), or start over with --fresh`",
+         "the run as it was (run.json and every manifest record the base by content)",
+         "test_resume_verified.py::test_a_resume_on_other_base_weights_is_refused"),
+    Case("a run started or resumed from another working directory", "nothing: a relative `warm_start.cache_dir` is "
+         "taken from the repository root", "the warm start the run was trained on",
+         "test_resume_verified.py::test_the_warm_start_cache_does_not_depend_on_the_working_directory"),
+    Case("`--resume` with metrics.jsonl not matching the checkpoint: a checkpointed step's row truncated, a row "
+         "duplicated, a row missing, the file deleted", "`<run>/metrics.jsonl: no row for step 2, which checkpoint "
+         "step_2 covers (...); its last line is truncated; restore metrics.jsonl ... or start over with --fresh` / "
+         "`... step 1 is logged 2 times ...`", "metrics.jsonl and the run untouched (no row dropped, no duplicate "
+         "kept, no `initial_eval` made up)",
+         "test_resume_verified.py::test_a_resume_refuses_a_log_that_does_not_match_its_checkpoint"),
+    Case("a stray `checkpoints/step_9.bak` (a user's copy)", "a warning `<path> is not a checkpoint (checkpoints are "
+         "directories named step_<N>): ignored, left as it is`", "the copy (never loaded, pruned or cleaned up)",
+         "test_resume_verified.py::test_a_stray_name_under_checkpoints_is_left_alone"),
     Case("a run with overrides (`loss.tis_cap=3.0`) next to the plain arm", "a run of its own, "
          "`<arm>+loss.tis_cap-3.0/seed<k>`", "the plain arm's run is neither skipped for it nor resumed",
          "test_run_cli.py::test_overrides_name_their_own_run"),
@@ -102,6 +135,16 @@ CASES = [
     Case("an empty arm file; a key given twice in one YAML file", "`<file>: empty config file (...)` / `<file>: "
          "key 'lr' appears twice (lines 2 and 4); keep one`", "nothing written",
          "test_bad_input.py::test_an_empty_arm_file_and_duplicate_keys_are_refused"),
+    Case("a key the chosen task, engine or mode never reads (`data.train_path` with `data.task=arith`, "
+         "`loss.icepop_alpha` with `ppo_clip`, `replay.strict` without replay, `model.n_group` with qwen3_moe, ...)",
+         "`... data.train_path='train.jsonl' has no effect: data.task=arith generates its rows (...); remove it`",
+         "nothing written", "test_resume_verified.py::test_settings_that_do_nothing_are_refused"),
+    Case("`warm_start.steps=20` or `0`, a `model.overrides` value the model class cannot take (`vocab_size: 10`), "
+         "`arm: ../../../x`", "`warm_start.steps=20 makes the warm start's OneCycleLR warm-up end at its first step "
+         "(...); use 19 or 21` / `model.overrides={'vocab_size': 10}: the model cannot be built or run with it "
+         "(IndexError: ...)` / `arm='../../../x' must be a single directory name ...`",
+         "nothing written (no lock file, nothing outside the output directory)",
+         "test_resume_verified.py::test_bad_settings_are_named_before_anything_is_written"),
     Case("`sweep.py --seeds 0`", "`--seeds 0: expected at least one seed, none negative (...)`", "nothing written",
          "test_sweep_children.py::test_no_seeds_is_one_line"),
     Case("`WANDB_MODE=disabled` in the environment with `tracking.wandb_mode=offline`", "`wandb disabled by "
@@ -122,6 +165,14 @@ CASES = [
          "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
     Case("a non-numeric GSM8K gold answer (`#### twelve`)", "a warning naming file, line and the answer; "
          "the row is skipped", "the other rows", "test_bad_input.py::test_dataset_errors_before_anything_is_written"),
+    Case("a prompt that with `rollout.max_new_tokens` exceeds the model's positions", "`data.train_path=<file>: "
+         "row 1: its prompt is N tokens, which with rollout.max_new_tokens=8 exceeds the model's 256 positions; drop "
+         "or shorten the row`", "nothing written",
+         "test_resume_verified.py::test_a_prompt_longer_than_the_models_positions_is_refused"),
+    Case("characters the tokenizer does not know (`Zoë`)", "a warning `data.train_path=<file>: 1 of 3 rows hold "
+         "characters the tokenizer does not know (first: row 1, 'ë'): the model reads each as <unk>`",
+         "the rows (as before, now said)",
+         "test_resume_verified.py::test_characters_the_tokenizer_does_not_know_are_named"),
     # -- routing traces ---------------------------------------------------------------------------
     Case("an expert id out of range at batch sample 200 (micro-batches of 128)",
          "`sample 200, token ..., layer ...: expert id 9 out of range [0, 8)`", "the step is not taken",
@@ -156,6 +207,18 @@ CASES = [
          "`could not append step N to <run>/metrics.jsonl "
          "(No space left on device); rows up to the last checkpoint resume with --resume`",
          "every row up to the last checkpoint", "test_disk_full.py::test_full_disk_while_logging_a_row"),
+    Case("a full disk while token samples are written", "`[Errno 28] could not write token samples "
+         "<run>/samples/step_N.npz (No space left on device); no partial file kept; free space and continue with "
+         "--resume`", "every checkpoint; no `samples/.step_N.npz` left (a resume removes one a kill left)",
+         "test_resume_verified.py::test_a_full_disk_while_writing_token_samples_is_named"),
+    # -- reports and printed commands ----------------------------------------------------------------
+    Case("experiment 07's report over a run without config.yaml, or with a garbage metrics line",
+         "`report: <run>/metrics.jsonl: line 2 is not valid JSON; restore it, or move <run> out of <runs>`",
+         "nothing written; no run silently left out of the tables",
+         "test_resume_verified.py::test_the_dose_report_names_a_run_it_cannot_read"),
+    Case("an output directory with a space in its path", "``wandb (offline): upload with `wandb sync '<path>'` `` "
+         "(quoted for the shell)", "the offline wandb run",
+         "test_run_cli.py::test_run_says_where_it_writes_and_how_to_sync"),
 ]
 
 

@@ -51,6 +51,8 @@ def run(args) -> dict | None:
     if args.resume and args.fresh:
         raise UsageError("--resume and --fresh contradict each other: --resume continues the run, "
                          "--fresh moves it aside and starts over; pass one")
+    if args.unless_started and not args.fresh:
+        raise UsageError("--unless-started qualifies --fresh; pass it with --fresh")
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     cfg = load_config(args.config, overrides)
     run_dir = cfg.run_dir
@@ -64,8 +66,6 @@ def run(args) -> dict | None:
     # One writer per run directory, taken before the run's state is looked at: a second run or a
     # resume of a live run is refused, naming the process that holds it.
     lock_run(run_dir)
-    if args.unless_started and not args.fresh:
-        raise UsageError("--unless-started qualifies --fresh; pass it with --fresh")
     if args.unless_started and run_dir.is_dir():
         from moerl.trainer.checkpoint import checkpoint_dirs
 

@@ -375,6 +375,87 @@ def _vllm_routed(spec):
     return f"routed experts returned (vLLM {r.get('vllm_version')}, rollout PP 1)"
 
 
+@rule("vllm.batched_tokens_hold_one_sequence", f"{VLLM}: vllm/config/scheduler.py SchedulerConfig (raises "
+      "'max_num_batched_tokens (..) is smaller than max_model_len (..)' when chunked prefill is off); "
+      f"{VERL}: vllm_async_server.py passes rollout.max_num_batched_tokens and enable_chunked_prefill to vLLM")
+def _vllm_batched(spec):
+    r = _r(spec)
+    if r is None or r.get("enable_chunked_prefill", True):
+        return None
+    mnbt = r.get("max_num_batched_tokens")
+    eff = r.get("max_model_len") or spec.model.get("max_position_embeddings")
+    if mnbt is not None and eff is not None and int(mnbt) < int(eff):
+        raise Broken(f"actor_rollout_ref.rollout.enable_chunked_prefill=False with max_num_batched_tokens={mnbt} < "
+                     f"max_model_len={eff}: without chunked prefill one scheduler step must hold a whole sequence, "
+                     f"and vLLM's SchedulerConfig refuses to start; fix: enable_chunked_prefill=True or "
+                     f"max_num_batched_tokens >= {eff}")
+    return f"chunked prefill off; max_num_batched_tokens {mnbt} >= max_model_len {eff}"
+
+
+@rule("verl.rollout_logprobs_for_mismatch", f"{VERL}: verl/workers/config/rollout.py calculate_log_probs (rollout "
+      "logprobs are returned only when True); verl/utils/debug/metrics.py (training/rollout_probs_diff_*) and "
+      "verl/trainer/ppo/v1/trainer_base.py (rollout correction) need the batch's rollout_log_probs")
+def _verl_rollout_logprobs(spec):
+    r = spec.rollout
+    if r is None or r.get("calculate_log_probs") is None:
+        return None
+    if not r["calculate_log_probs"]:
+        raise Broken("actor_rollout_ref.rollout.calculate_log_probs=False: vLLM returns no sampled-token logprobs, so "
+                     "no train/rollout mismatch metric is logged, rollout correction has nothing to weigh and "
+                     "scripts/check_first_steps.py cannot check the run; fix: calculate_log_probs=True")
+    return "rollout logprobs returned (mismatch metrics logged)"
+
+
+@rule("verl.r3_needs_vllm_rollout", f"{VERL}: verl/workers/rollout/vllm_rollout/vllm_async_server.py "
+      f"(enable_return_routed_experts, vLLM >= 0.22) is the routed-experts path this repo's R3 checks ({VLLM}: "
+      "routes for every layer, dense rows zero, matched to Megatron routers by layer number); requirements-gpu.txt "
+      "pins no SGLang or TensorRT-LLM")
+def _verl_r3_engine(spec):
+    r = spec.rollout
+    if r is None or not r.get("routing_replay"):
+        return None
+    if r.get("name") != "vllm":
+        raise Broken(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True with rollout.name={r.get('name')}: "
+                     f"this repo's R3 (pins, replay-row layout, dense-first-layer mapping, first-step checks) is "
+                     f"built and checked against vLLM's routed-experts capture only; fix: rollout.name=vllm")
+    return "R3 routes come from vLLM"
+
+
+RAY_ENV_VAR = re.compile(r"\$\{[A-Z0-9_]+\}")  # the only form Ray expands (ray/_private/utils.py update_envs)
+
+
+def unresolved_runtime_env(cfg) -> dict[str, str]:
+    """The runtime-env variables that would reach Ray workers as unresolved OmegaConf text: verl 0.9.1's
+    main_ppo merges ``ray_kwargs.ray_init.runtime_env`` and hands it to ``ray.init`` through
+    ``OmegaConf.to_container`` without resolving (verl/trainer/main_ppo.py run_ppo), and Ray expands only
+    ``${NAME}``."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    if node is None:
+        return {}
+    raw = OmegaConf.to_container(node, resolve=False)
+    return {str(k): str(v) for k, v in raw.items() if "${" in RAY_ENV_VAR.sub("", str(v))}
+
+
+@rule("verl.runtime_env_resolved", f"{VERL}: verl/trainer/main_ppo.py run_ppo (ray.init(**OmegaConf.to_container("
+      "ray_init_kwargs)) without resolve); ray 2.60: ray/_private/utils.py update_envs (expands only ${NAME}); "
+      f"{VERL}: verl/utils/tracking.py FileLogger (opens VERL_FILE_LOGGER_PATH as given)")
+def _verl_runtime_env(spec):
+    cfg = spec.verl.get("_cfg")
+    if cfg is None:
+        return None
+    bad = unresolved_runtime_env(cfg)
+    if bad:
+        key, val = next(iter(bad.items()))
+        raise Broken(f"ray_kwargs.ray_init.runtime_env.env_vars.{key}={val!r} reaches the Ray workers unresolved "
+                     f"(verl passes the runtime env on as text and Ray expands only ${{NAME}}): the worker sees the "
+                     f"literal string (for VERL_FILE_LOGGER_PATH, FileLogger raises FileNotFoundError in fit(), after "
+                     f"model and vLLM start-up); unresolved: {sorted(bad)}; fix: launch through "
+                     f"moerl.verl_ext.launch (it writes the resolved values) or write absolute values")
+    return "runtime-env variables are plain values"
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA targets: in the Megatron-Bridge mapping and applied by vLLM in prefill *and* decode
 # ---------------------------------------------------------------------------------------------
@@ -393,14 +474,57 @@ def _lora_rank(spec):
     return f"LoRA rank {rank}"
 
 
-BRIDGE_EP_SYNC = (0, 5, 1)  # first release with the shared expert adapter kept identical across EP
+# Megatron-Bridge's shared expert adapter under expert parallel, read from Bridge's source:
+# - 0.5.1 (v0.5.1 tag, peft/utils.py ParallelLinearAdapter): an EP gradient all-reduce hook, but no
+#   initial broadcast, so each EP rank's LoRA-A starts from its own expert-parallel RNG stream
+#   (megatron-core tensor_parallel/random.py: seed + 1024 + 100*ep_rank) and the copies never agree;
+# - 0.6.0 .. 0.6.2 (v0.6.0 tag, r0.6.0 branch; 0.6.2 wheel): _synchronize_shared_expert_parameters
+#   broadcasts from EP rank 0, but the EP gradient sum is still a per-tensor autograd hook
+#   (_register_shared_expert_grad_sync_hooks). Under gradient-accumulation fusion megatron-core writes
+#   the real weight gradient into main_grad and hands autograd a dummy (tensor_parallel/layers.py
+#   LinearWithGradAccumulationAndAsyncCommunication.backward), so the hook sums the dummy and the
+#   copies drift apart from the first update;
+# - Bridge PR #6009 moves the sum onto main_grad (on main after 0.6.2; no release carries it yet).
+BRIDGE_EP_BROADCAST = (0, 6, 0)      # first release that broadcasts the shared adapter at build time
+BRIDGE_EP_HOOK_LAST = (0, 6, 2)      # last release whose EP grad sum is an autograd hook (fusion-unsafe)
+
+
+def _version(text) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", str(text or "0"))[:3])
+
+
+def grad_accumulation_fusion(spec) -> tuple[bool, str]:
+    """(on, why) for gradient-accumulation fusion as Megatron-Bridge hands it to Megatron-Core: the
+    experiment's ``override_transformer_config.gradient_accumulation_fusion`` when set (verl applies
+    it to the Bridge provider last, verl/workers/engine/megatron/transformer_impl.py), else Bridge's
+    choice: the DeepSeek-V3 and Kimi bridges force it on (deepseek_v3_bridge.py:79, kimi_bridge.py:67)
+    and gpt_provider.py:205 turns it on whenever Transformer Engine imports (the cluster image)."""
+    set_ = (spec.verl.get("otc") or {}).get("gradient_accumulation_fusion")
+    if set_ is not None:
+        return bool(set_), f"override_transformer_config.gradient_accumulation_fusion={set_}"
+    if spec.model.get("family") == "deepseek_v3":
+        return True, "unset: Bridge's DeepSeek-V3/Kimi bridge forces it on"
+    return True, "unset: Bridge's gpt_provider turns it on where Transformer Engine imports"
+
+
+def apex_fused_wgrad_available() -> bool:
+    """Whether APEX's ``fused_weight_gradient_mlp_cuda`` extension imports in this environment (the
+    launcher runs in the cluster image, so this is what the Ray workers will find)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def _targets_experts(spec) -> bool:
+    targets = spec.lora.get("target_modules") or []
+    return bool(spec.lora.get("rank")) and ("linear_fc1" in targets or "linear_fc2" in targets)
 
 
 @rule("bridge.shared_expert_adapter_under_ep", f"{BRIDGE}: megatron/bridge/peft/lora.py LoRA.transform "
-      "(share_expert_adapters: one ParallelLinearAdapter per grouped expert linear on each EP rank), "
-      "peft/utils.py ParallelLinearAdapter._synchronize_shared_expert_parameters / "
-      "_allreduce_shared_expert_grad (since 0.5.1: broadcast from EP rank 0, grads summed over EP), "
-      "peft/utils.py is_grouped_expert_linear (SequentialMLP local_experts excluded)")
+      "(share_expert_adapters: one ParallelLinearAdapter per grouped expert linear on each EP rank); "
+      "peft/utils.py ParallelLinearAdapter: no initial broadcast in 0.5.1, _synchronize_shared_expert_parameters "
+      "since 0.6.0, _allreduce_shared_expert_grad as an autograd hook through 0.6.2 (sums megatron-core's dummy "
+      "grad under gradient-accumulation fusion: tensor_parallel/layers.py); Bridge PR #6009 (main) sums main_grad")
 def _bridge_shared(spec):
     lora = spec.lora
     if not lora.get("rank") or spec.ep <= 1 or lora.get("share_expert_adapters", True) is False \
@@ -412,17 +536,87 @@ def _bridge_shared(spec):
                      "so share_expert_adapters=True trains per-expert adapters instead of the shared one the "
                      "experiment declares; fix: leave moe_grouped_gemm on")
     ver = spec.verl.get("bridge_version") or "0"
-    have = tuple(int(x) for x in re.findall(r"\d+", str(ver))[:3])
-    if have < BRIDGE_EP_SYNC:
-        raise Broken(f"megatron-bridge {ver} with share_expert_adapters=True and EP={spec.ep}: before 0.5.1 each EP "
-                     f"rank trains its own copy of the shared adapter (no broadcast, no EP gradient all-reduce) and "
-                     f"the export gives each expert its EP rank's copy, so the trained model has {spec.ep} adapters "
-                     f"per MoE layer and changes with EP; fix: megatron-bridge >= 0.5.1 (requirements-gpu.txt pins "
-                     f"0.6.2) or share_expert_adapters=False")
+    have = _version(ver)
+    if have < BRIDGE_EP_BROADCAST:
+        raise Broken(f"megatron-bridge {ver} with share_expert_adapters=True and EP={spec.ep}: before 0.6.0 nothing "
+                     f"broadcasts the shared adapter when it is built (peft/utils.py has the EP grad hook but no "
+                     f"_synchronize_shared_expert_parameters), so each EP rank's LoRA-A starts from its own "
+                     f"expert-parallel seed and the {spec.ep} copies never agree; the export then gives each expert "
+                     f"its EP rank's copy; fix: megatron-bridge 0.6.2 (requirements-gpu.txt) with "
+                     f"override_transformer_config.gradient_accumulation_fusion=false, or "
+                     f"share_expert_adapters=False, or EP=1")
+    fused, why = grad_accumulation_fusion(spec)
+    if fused and have <= BRIDGE_EP_HOOK_LAST:
+        raise Broken(f"megatron-bridge {ver} with share_expert_adapters=True, EP={spec.ep} and gradient-accumulation "
+                     f"fusion on ({why}): Bridge sums the shared adapter's gradient over EP in an autograd hook "
+                     f"(peft/utils.py _register_shared_expert_grad_sync_hooks), but with fusion megatron-core "
+                     f"accumulates the real gradient into main_grad and gives autograd a dummy "
+                     f"(megatron/core/tensor_parallel/layers.py), so the {spec.ep} copies drift apart from the first "
+                     f"update with no error (Bridge PR #6009 fixes it after 0.6.2); fix: "
+                     f"+override_transformer_config.gradient_accumulation_fusion=false")
+    later = "" if have <= BRIDGE_EP_HOOK_LAST else (f"; megatron-bridge {ver} is newer than {'.'.join(map(str, BRIDGE_EP_HOOK_LAST))}"
+                                                    f": this rule assumes it carries PR #6009 (not checked)")
     return (f"one routed-expert adapter per MoE layer, identical on the {spec.ep} EP ranks (megatron-bridge {ver}: "
-            f"broadcast + EP grad all-reduce). Grad-norm clipping counts it once per EP rank (megatron-core "
-            f"distributed optimizer sums every rank's grad shard), so clip_grad engages at a norm that grows "
-            f"with EP: compare runs at one EP size (read from source, not run)")
+            f"broadcast at build, EP grad sum with fusion off{later}). Grad-norm clipping counts it once per EP rank "
+            f"(megatron-core distributed optimizer sums every rank's grad shard), so clip_grad engages at a norm "
+            f"that grows with EP: compare runs at one EP size (read from source, not run)")
+
+
+@rule("bridge.grad_accumulation_fusion_needs_apex", "megatron-core 0.19.2: megatron/core/tensor_parallel/layers.py "
+      "ColumnParallelLinear.__init__ (raises when gradient_accumulation_fusion is on and APEX's "
+      "fused_weight_gradient_mlp_cuda does not import; the output layer and every LoRA adapter linear are "
+      f"ColumnParallelLinear); {BRIDGE}: deepseek_v3_bridge.py:79, kimi_bridge.py:67 (force it on), "
+      "gpt_provider.py:205 (on whenever Transformer Engine imports); docker/Dockerfile installs no APEX")
+def _bridge_fusion(spec):
+    if spec.rollout is None:
+        return None  # a Megatron-only recipe: its own launcher decides
+    fused, why = grad_accumulation_fusion(spec)
+    if not fused:
+        return f"gradient-accumulation fusion off ({why})"
+    if apex_fused_wgrad_available():
+        return f"gradient-accumulation fusion on ({why}); APEX's fused_weight_gradient_mlp_cuda imports here"
+    raise Broken(f"gradient-accumulation fusion on ({why}) but APEX's fused_weight_gradient_mlp_cuda does not import "
+                 f"in this environment: megatron-core raises in ColumnParallelLinear.__init__ when the model is "
+                 f"built (after Ray and vLLM start-up); fix: "
+                 f"+actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion=false "
+                 f"(or an image with APEX's CUDA extensions, as verl's docker/Dockerfile.stable.vllm builds)")
+
+
+@rule("bridge.expert_tensor_parallel_with_expert_lora", f"{BRIDGE}: megatron/bridge/peft/utils.py "
+      "get_adapter_attributes_from_linear / ParallelLinearAdapter for expert linears with "
+      "expert_tensor_parallel_size > 1 (Megatron-Bridge issue #5634: expert LoRA under ETP > 1 is wrong)")
+def _bridge_etp(spec):
+    if not _targets_experts(spec) or planner.num_experts(spec.model) <= 1:
+        return None
+    if spec.etp_eff > 1:
+        raise Broken(f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={spec.etp} (effective "
+                     f"{spec.etp_eff}; unset means TP) with expert LoRA (target_modules has linear_fc1/linear_fc2): "
+                     f"Megatron-Bridge's expert adapters under expert tensor parallel > 1 are broken upstream "
+                     f"(Bridge issue #5634); fix: expert_tensor_parallel_size=1")
+    return "expert tensor parallel 1"
+
+
+@rule("bridge.shared_expert_overlap_with_lora", f"{BRIDGE}: deepseek_v3_bridge.py:72, kimi_bridge.py:61 (force "
+      "moe_shared_expert_overlap=True); peft/utils.py ParallelLinearAdapter (under overlap the adapter wraps a "
+      "linear with TP communication disabled and returns a replicated linear_fc2 delta that the later reduction "
+      "sums TP times): Bridge PR #6089 (open), miles issue #3232 (growing train/rollout logprob divergence)")
+def _bridge_overlap(spec):
+    if not _targets_experts(spec) or not spec.model.get("n_shared_experts") or spec.tp <= 1:
+        return None
+    set_ = (spec.verl.get("otc") or {}).get("moe_shared_expert_overlap")
+    if set_ is None:
+        on = spec.model.get("family") == "deepseek_v3"
+        why = ("unset: Bridge's DeepSeek-V3/Kimi bridge forces it on" if on
+               else "unset: Megatron-Core's default is off")
+    else:
+        on, why = bool(set_), f"override_transformer_config.moe_shared_expert_overlap={set_}"
+    if on:
+        raise Broken(f"shared-expert overlap on ({why}) with LoRA on the shared experts (linear_fc1/linear_fc2) at "
+                     f"TP={spec.tp}: the shared experts' linear_fc2 adapter delta is added {spec.tp} times in the "
+                     f"trainer while vLLM applies it once, a train/rollout mismatch from a bug (Bridge PR #6089, "
+                     f"miles #3232); fix: +actor_rollout_ref.actor.megatron.override_transformer_config."
+                     f"moe_shared_expert_overlap=false")
+    return f"shared-expert overlap off ({why})"
 
 
 @rule("lora.targets_in_bridge_mapping", f"{BRIDGE}: megatron/bridge/peft/lora.py target_modules matched "
@@ -645,6 +839,9 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                      routing_replay=bool(sel(r + "enable_rollout_routing_replay")),
                      gpu_memory_utilization=sel(r + "gpu_memory_utilization"),
                      all2all_backend=(sel(r + "engine_kwargs.vllm.all2all_backend")),
+                     enable_chunked_prefill=sel(r + "enable_chunked_prefill", True),
+                     max_num_batched_tokens=sel(r + "max_num_batched_tokens"),
+                     calculate_log_probs=sel(r + "calculate_log_probs"),
                      vllm_version=vllm_version),
         lora=lora,
         verl=dict(train_batch_size=int(sel("data.train_batch_size")),
@@ -653,7 +850,7 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   total_training_steps=sel("trainer.total_training_steps"),
                   use_v1=bool(sel("trainer.use_v1", True)),
                   lora_experiment=lora_experiment_rank is not None, lora_experiment_rank=lora_experiment_rank,
-                  bridge_version=bridge_version, moe_grouped_gemm=otc.get("moe_grouped_gemm"),
+                  bridge_version=bridge_version, moe_grouped_gemm=otc.get("moe_grouped_gemm"), otc=otc,
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
                   use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),

@@ -209,8 +209,6 @@ def _replay_checks(cfg, mcfg, check) -> None:
         check("r3.flags", mode == "R3" and flag,
               f"R3 needs actor.megatron.router_replay.mode=R3 AND rollout.enable_rollout_routing_replay=True "
               f"(got mode={mode}, flag={flag})")
-        check("r3.rollout_name", select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang"),
-              "R3 needs a vllm or sglang rollout")
     if mode in ("R2", "R3"):
         check("replay.no_pad_to_length", not select(cfg, "actor_rollout_ref.actor.megatron.pad_to_length"),
               "verl raises on router replay with megatron.pad_to_length=True")
@@ -220,14 +218,31 @@ def _replay_checks(cfg, mcfg, check) -> None:
             freq = planner.megatron_moe_layer_freq(mcfg)
             otc = select(cfg, "actor_rollout_ref.actor.megatron.override_transformer_config") or {}
             set_freq = otc.get("moe_layer_freq")
-            freq_ok = set_freq is None or list(set_freq) == freq
+            pattern = None if set_freq is None else megatron_moe_pattern(set_freq, mcfg["num_hidden_layers"])
+            freq_ok = set_freq is None or pattern == freq
             check("replay.dense_first_layer_mapping", ok and freq_ok,
                   f"{mcfg['name']} has {moe[0]} dense layer(s) before the first MoE layer; replay rows must be "
                   f"indexed by global layer number (MoE layers {moe[0]}..{moe[-1]}). {detail}"
-                  + ("" if freq_ok else f" override moe_layer_freq={list(set_freq)} != model's {freq}"))
+                  + ("" if freq_ok else f" override moe_layer_freq={set_freq!r} makes the MoE layers {pattern}, the "
+                     f"model's are {freq}: Megatron would build routers the checkpoint and vLLM do not have; fix: "
+                     f"drop the moe_layer_freq override (Bridge derives it from first_k_dense_replace)"))
     if mode == "R2":
         check("r2.no_rollout_flag", not flag, "R2 records in the trainer; rollout.enable_rollout_routing_replay "
               "must stay False")
+
+
+def megatron_moe_pattern(freq, num_layers: int) -> list[int] | str:
+    """Megatron-Core's per-layer MoE pattern for a ``moe_layer_freq`` value (TransformerConfig
+    accepts an int N, every N-th layer from layer 0 is MoE, or a list of 0/1 per layer); anything else
+    is returned as text so the rule can name it."""
+    if isinstance(freq, bool):
+        return repr(freq)
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)] if freq > 0 else repr(freq)
+    try:
+        return [int(x) for x in freq]
+    except (TypeError, ValueError):
+        return repr(freq)
 
 
 def _loss_checks(cfg, check) -> None:
@@ -359,13 +374,65 @@ def _experiment_ep(overrides: list[str]) -> int | None:
     return int(vals[-1]) if vals and vals[-1].isdigit() else None
 
 
+CHECKPOINT_ROOT_ENV = "MOERL_CHECKPOINT_DIR"  # where run checkpoints live (shared storage on a cluster)
+
+
+def checkpoint_root() -> Path:
+    """``$MOERL_CHECKPOINT_DIR``, else ``<repo>/checkpoints``: every node must see it (a shared file system)."""
+    return Path(os.environ.get(CHECKPOINT_ROOT_ENV) or REPO / "checkpoints").resolve()
+
+
+def _override_keys(overrides) -> set[str]:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[str] = ()) -> list[str]:
+    """Overrides that make a composed run safe to hand to verl, written as resolved values:
+
+    - ``trainer.experiment_name`` gets ``_seed<N>`` (verl names the wandb run and the default
+      checkpoint folder after it, so seed 2 never resumes seed 1's checkpoint under
+      ``resume_mode: auto`` and every seed logs as its own run);
+    - ``trainer.default_local_dir`` is the absolute ``<checkpoint root>/<project>/<experiment_name>``
+      (verl's default is relative to the Ray worker's working directory);
+    - every ``ray_kwargs.ray_init.runtime_env.env_vars`` value written with an OmegaConf
+      interpolation (``${oc.env:MOERL_REPO,.}/...``) is replaced by its value here: verl passes the
+      runtime env to Ray as text and Ray expands only ``${NAME}`` (rule verl.runtime_env_resolved).
+
+    A key set on the command line (``extra``) is left as the user wrote it."""
+    from omegaconf import OmegaConf
+
+    from moerl.verl_ext.compose import _format_value
+
+    mine = _override_keys(extra)
+    out = []
+    name = str(select(cfg, "trainer.experiment_name"))
+    if seed is not None and "trainer.experiment_name" not in mine and not name.endswith(f"_seed{seed}"):
+        name = f"{name}_seed{int(seed)}"
+        out.append(f"trainer.experiment_name={_format_value(name)}")
+    if "trainer.default_local_dir" not in mine and "trainer.default_local_dir" not in exp.origin:
+        project = str(select(cfg, "trainer.project_name"))
+        out.append(f"trainer.default_local_dir={_format_value(str(checkpoint_root() / project / name))}")
+    env_node = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    for key in constraints.unresolved_runtime_env(cfg):
+        full = f"ray_kwargs.ray_init.runtime_env.env_vars.{key}"
+        if full not in mine:
+            out.append(f"{full}={_format_value(str(OmegaConf.select(env_node, key)))}")
+    return out
+
+
 def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None):
     """Compose + validate; raise ConstraintError listing every failed constraint.
 
-    ``extra`` are Hydra overrides from the command line (applied last, so they win)."""
+    ``extra`` are Hydra overrides from the command line (applied last, so they win). The
+    experiment's ``${oc.env:MOERL_REPO,.}`` paths resolve to this checkout unless MOERL_REPO is set."""
+    os.environ.setdefault("MOERL_REPO", str(REPO))
     exp = load_experiment(directory, arm)
     exp.overrides = exp.overrides + launch_overrides(exp, seed, extra) + list(extra)
     cfg = compose_experiment(exp)
+    identity = run_identity_overrides(cfg, exp, seed, extra)
+    if identity:
+        exp.overrides = exp.overrides + identity
+        cfg = compose_experiment(exp)
     checks, p = validate(cfg, exp)
     checks.append(verl_validate(cfg))
     failed = [c for c in checks if not c.ok]

@@ -51,7 +51,8 @@ def report(p: planner.Plan, lay: planner.Layout, cfg: dict) -> str:
                    f"{fmt_n(lo.shared_experts)}, routed experts {fmt_n(lo.routed_experts)}")
         if lay.expert_mode == "shared":
             out.append(f"    routed experts: one trained adapter per MoE layer; Megatron-Bridge stores a copy on each of "
-                       f"the EP{lay.ep} ranks and keeps them identical (broadcast + EP grad all-reduce, Bridge >= 0.5.1)")
+                       f"the EP{lay.ep} ranks and keeps them identical (broadcast + EP grad all-reduce: Bridge 0.6.x with "
+                       f"gradient-accumulation fusion off)")
     out.append(f"layout: {lay.n_gpus} GPUs x {lay.gpu_mem_gib:.0f} GiB; trainer TP{lay.tp} PP{lay.pp} CP{lay.cp} "
                f"EP{lay.ep} ETP{lay.etp} (DP {lay.dp}); rollout vLLM TP{lay.rollout_tp} EP{lay.rollout_ep} "
                f"DP{lay.rollout_dp}")

@@ -207,11 +207,12 @@ def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str
     by all of that layer's experts (``share_expert_adapters=True``, the Bridge default) or one per
     expert (``per_expert``); ``normalize_moe_lora`` divides the expert rank by top-k.
 
-    These are *trained* parameters. Under EP, Megatron-Bridge (>= 0.5.1; peft/utils.py
-    ParallelLinearAdapter) stores the shared adapter once on every EP rank but keeps the copies
-    identical (broadcast from EP rank 0 when built, gradients summed over EP), so the count does
-    not depend on EP; the memory plan counts the copies (``plan``: replicated on each EP rank).
-    """
+    These are *trained* parameters. Under EP, Megatron-Bridge (0.6.x; peft/utils.py
+    ParallelLinearAdapter) stores the shared adapter once on every EP rank and keeps the copies
+    identical (broadcast from EP rank 0 when built, gradients summed over EP; with
+    gradient-accumulation fusion off, see the launcher rule bridge.shared_expert_adapter_under_ep),
+    so the count does not depend on EP; the memory plan counts the copies (``plan``: replicated on
+    each EP rank)."""
     if expert_mode not in EXPERT_ADAPTER_MODES:
         raise PlanError(f"expert adapter mode must be one of {EXPERT_ADAPTER_MODES}, got {expert_mode!r}")
     names = lora_target_names(cfg)

@@ -1,12 +1,13 @@
 """Megatron-Bridge's shared expert adapter under EP, replayed on gloo (CPU, 2 processes).
 
-Bridge (>= 0.5.1, so 0.6.x) builds one shared adapter per grouped expert linear *on each EP rank*,
+Bridge 0.6.x builds one shared adapter per grouped expert linear *on each EP rank*,
 broadcasts it from EP rank 0 when it is built and all-reduces its gradient over the EP group
 before the expert-data-parallel reduction (peft/utils.py ParallelLinearAdapter
 ``_synchronize_shared_expert_parameters``, ``_allreduce_shared_expert_grad``). This replays one
 training step of an MoE layer with a shared LoRA under EP=2 that way, exports it to per-expert
 names as Bridge does (``moerl.lora.sharding.bridge_export_expert_factor``) and compares with the
-same step on the unsharded layer. Without the synchronisation (Bridge 0.5.0) each EP rank trains
+same step on the unsharded layer. Without the synchronisation (Bridge 0.5.x has no broadcast; 0.6.x's
+gradient hook sees a dummy gradient under gradient-accumulation fusion) each EP rank trains
 its own adapter, the export gives experts of different ranks different adapters, and the model
 is no longer "one adapter per MoE layer": the second case checks that this is detected.
 """

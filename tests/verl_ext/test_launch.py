@@ -133,13 +133,13 @@ def test_a_rule_that_crashes_is_its_own_failure_and_the_others_still_run(monkeyp
 
 
 def test_shared_expert_adapter_needs_a_bridge_that_syncs_it_across_ep(tmp_path, monkeypatch):
-    """Bridge < 0.5.1 trains one copy per EP rank: the model would change with EP."""
+    """Bridge < 0.6.0 never broadcasts the shared adapter: each EP rank trains its own copy."""
     exp, cfg, checks, _ = launch.prepare(MOON.parent)
     ok = next(c for c in checks if c.name == "bridge.shared_expert_adapter_under_ep")
     assert ok.ok and "identical on the 8 EP ranks" in ok.detail and "compare runs at one EP size" in ok.detail
     monkeypatch.setattr(launch, "bridge_version_for_run", lambda: "0.5.0")
     msg = _failed(MOON.parent)
-    assert "[bridge.shared_expert_adapter_under_ep]" in msg and "8 adapters per MoE layer" in msg
+    assert "[bridge.shared_expert_adapter_under_ep]" in msg and "the 8 copies never agree" in msg
 
 
 def test_sequential_mlp_experts_would_not_share_the_adapter(tmp_path):

@@ -170,3 +170,58 @@ def test_shared_expert_adapter_count_does_not_depend_on_ep_but_its_copies_do():
         assert p.lora.routed_experts == len(planner.moe_layer_indices(cfg)) * per_layer
         gib[ep] = next(x.gib for x in p.trainer if x.name.startswith("LoRA params"))
     assert gib[1] == gib[8]  # replicated on every EP rank, not split
+
+
+def test_refit_counts_lora_a_once_per_hf_projection_as_bridge_exports():
+    """Megatron-Bridge's export writes a fused linear's LoRA-A once per HF projection (fc1 -> gate_proj
+    and up_proj; linear_qkv -> q/k/v_proj) and splits B: per routed expert r*(3h+3I), not r*(2h+3I)."""
+    k2 = planner.load_public_config("kimi_k2")
+    h, inter, r = 7168, 2048, 32
+    lo = planner.count_lora_params(k2, r, ["linear_fc1", "linear_fc2"], "shared")
+    assert lo.exported_per_expert == r * (3 * h + 3 * inter)
+    assert lo.routed_per_layer == r * (2 * h + 3 * inter)  # trained: one A for the fused fc1
+    p = planner.plan(k2, _kimi_layout(lora_targets=("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                                                    "linear_proj", "linear_fc1", "linear_fc2")))
+    assert p.refit_adapter_bytes == 2 * p.lora.exported
+    assert 38.0 < p.refit_adapter_bytes / planner.GIB < 38.5  # the 28.4 GiB of r*(2h+3I) was 35 % low
+    qwen = planner.load_public_config("qwen3_30b_a3b")
+    q = planner.count_lora_params(qwen, 8, ["linear_qkv"], "shared")
+    hq, out_qkv = qwen["hidden_size"], (qwen["num_attention_heads"] + 2 * qwen["num_key_value_heads"]) * qwen["head_dim"]
+    assert q.exported == qwen["num_hidden_layers"] * 8 * (3 * hq + out_qkv) and q.attention == q.exported - \
+        qwen["num_hidden_layers"] * 8 * 2 * hq
+
+
+@pytest.mark.parametrize("exp,arm,readme", [
+    ("01_kimi_k2_lora_grpo", None, "experiments/01_kimi_k2_lora_grpo/README.md"),
+    ("03_qwen3_30b_a3b_lora_mitigations", "r3", "experiments/03_qwen3_30b_a3b_lora_mitigations/README.md"),
+    ("04_moonlight_16b_a3b_r3", None, "experiments/04_moonlight_16b_a3b_r3/README.md"),
+    ("01_kimi_k2_lora_grpo", None, "docs/benchmarks.md"),
+])
+def test_readme_refit_figures_are_the_planners(exp, arm, readme, capsys):
+    """The refit figures the READMEs quote are what ``scripts/plan.py`` prints (at the README's precision)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    plan = _script("plan")
+    assert plan.main([f"experiments/{exp}"] + (["--arm", arm] if arm else [])) == 0
+    out = capsys.readouterr().out
+    adapter = float(re.search(r"adapter-only ([\d.]+) GiB", out).group(1))
+    merged_text = re.search(r"merged\s+([\d.]+) (GiB|TiB) total", out)
+    ratio = float(re.search(r"merged / adapter = ([\d.]+)x", out).group(1))
+    text = " ".join((repo / readme).read_text().split())
+    if readme.endswith("benchmarks.md"):
+        m = re.search(r"refit per step ([\d.]+) GiB adapter vs ([\d.]+) (TiB|GiB) merged", text)
+        quoted_adapter, quoted_merged, quoted_ratio = float(m.group(1)), float(m.group(2)), None
+    else:
+        m = re.search(r"adapter-only ([\d.]+) GiB.*?vs merged ([\d.]+) (?:TiB|GiB)(?: per step)? ?(?:\((\d+)×\))?", text)
+        quoted_adapter, quoted_merged = float(m.group(1)), float(m.group(2))
+        quoted_ratio = int(m.group(3)) if m.group(3) else None
+    def same(got, quoted):  # equal at the quoted precision
+        digits = len(str(quoted).split(".")[1]) if "." in str(quoted) else 0
+        return round(got, digits) == quoted
+
+    assert same(adapter, quoted_adapter), (readme, adapter, quoted_adapter)
+    assert same(float(merged_text.group(1)), quoted_merged), (readme, merged_text.group(1), quoted_merged)
+    if quoted_ratio is not None:
+        assert round(ratio) == quoted_ratio

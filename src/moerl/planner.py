@@ -196,6 +196,23 @@ class LoraCounts:
     routed_experts: int
     routed_per_layer: int
     unmatched_targets: list[str] = field(default_factory=list)
+    exported: int = 0              # elements Megatron-Bridge's HF export writes (routed: per expert)
+    exported_per_expert: int = 0   # of which one routed expert's adapter (every expert name gets one)
+
+
+# How many Hugging Face projections Megatron-Bridge's adapter export writes for one fused Megatron
+# linear. Each gets the *same* LoRA-A (linear_in) and its own slice of LoRA-B, so a fused linear's A
+# travels once per projection: Megatron-Bridge 0.6.x models/conversion/peft_bridge.py
+# stream_adapter_weights_megatron_to_hf yields (linear_in_hf_names[index], linear_in) for every base
+# name of a fused adapter (~1014 in 0.6.2; r0.6.0 branch line 1013). fc1 -> gate_proj, up_proj;
+# linear_qkv -> q_proj, k_proj, v_proj. Per routed expert: r*(3h+3I), not the r*(2h+3I) trained.
+BRIDGE_EXPORT_PROJECTIONS = {"linear_fc1": 2, "linear_qkv": 3}
+
+
+def exported_lora_elems(linears, rank: int, targets) -> int:
+    """LoRA elements of these linears as Megatron-Bridge exports them to HF names (A repeated per
+    projection of a fused linear, B split)."""
+    return sum(rank * (i * BRIDGE_EXPORT_PROJECTIONS.get(name, 1) + o) for name, i, o in linears if name in targets)
 
 
 def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str = "shared",
@@ -231,9 +248,15 @@ def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str
     r_exp = max(1, rank // cfg["num_experts_per_tok"]) if normalize_moe_lora else rank
     per_layer = lora(expert_lin, r_exp) * (num_experts(cfg) if expert_mode == "per_expert" else 1)
     routed = len(moe) * per_layer
+    dense_lin = mlp_linears(h, cfg.get("intermediate_size", 0))
+    per_expert_export = exported_lora_elems(expert_lin, r_exp, targets)
+    exported = (n * exported_lora_elems(attention_linears(cfg), rank, targets)
+                + (n_dense * exported_lora_elems(dense_lin, rank, targets) if n_dense else 0)
+                + len(moe) * cfg.get("n_shared_experts", 0) * exported_lora_elems(expert_lin, rank, targets)
+                + len(moe) * num_experts(cfg) * per_expert_export)
     return LoraCounts(total=attn + dense + shared + routed, attention=attn, dense_mlp=dense,
                       shared_experts=shared, routed_experts=routed, routed_per_layer=per_layer,
-                      unmatched_targets=unmatched)
+                      unmatched_targets=unmatched, exported=exported, exported_per_expert=per_expert_export)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,18 +452,19 @@ def plan(cfg: dict, layout: Layout) -> Plan:
     rollout = [MemoryLine("weights per rank (bf16)", w_roll / GIB)]
     adapter_elems = 0
     if lora is not None and not layout.lora_merge:
-        # Megatron-Bridge exports a shared expert adapter replicated under every expert name (vLLM
-        # loads expert adapters per expert), so the refit payload has the per-expert size.
-        one_expert = lora.routed_per_layer // (num_experts(cfg) if layout.expert_mode == "per_expert" else 1)
+        # The refit payload is what Megatron-Bridge's export writes: a shared expert adapter
+        # replicated under every expert name (vLLM loads expert adapters per expert), and a fused
+        # linear's LoRA-A once per HF projection (BRIDGE_EXPORT_PROJECTIONS).
         n_moe = len(moe_layer_indices(cfg))
-        adapter_elems = lora.total - lora.routed_experts + n_moe * num_experts(cfg) * one_expert
+        adapter_elems = lora.exported
+        routed_export = n_moe * num_experts(cfg) * lora.exported_per_expert
         # vLLM sizes the slot at max_lora_rank (rank rounded up to an allowed value), max_loras=1 (verl).
         # (a rank above vLLM's maximum is reported by the constraint layer's vllm.max_lora_rank rule)
         slot_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= layout.lora_rank), layout.lora_rank)
         expert_slot = n_moe * vllm_moe_lora_elems_per_rank(cfg, slot_rank, rtp, rep, layout.fully_sharded_loras)
         # attention/dense/shared-expert adapters: with fully_sharded_loras everything is split over TP;
         # without, about half of each A/B pair is replicated on every TP rank
-        other_elems = (adapter_elems - n_moe * num_experts(cfg) * one_expert) * slot_rank / layout.lora_rank
+        other_elems = (adapter_elems - routed_export) * slot_rank / layout.lora_rank
         other = other_elems / rtp if layout.fully_sharded_loras else other_elems * (0.5 + 0.5 / rtp)
         rollout.append(MemoryLine("LoRA slot, routed experts (vLLM fused-MoE shapes, bf16)", expert_slot * wb / GIB,
                                   f"max_lora_rank={slot_rank}, {num_experts(cfg) // max(rep, 1)} local experts"))
@@ -460,8 +484,8 @@ def plan(cfg: dict, layout: Layout) -> Plan:
     kvb = kv_bytes_per_token(cfg, DTYPE_BYTES[layout.kv_dtype], rtp)
     kv_tokens = max(kv_gib, 0.0) * GIB / kvb
 
-    # refit: adapter-only sends each adapter tensor once (vLLM per-expert layout); merged sends the
-    # whole model in bf16
+    # refit: adapter-only sends the exported adapter tensors (vLLM per-expert layout); merged sends
+    # the whole model in bf16
     adapter_bytes = adapter_elems * wb
     merged_bytes = pc.total * wb
     # trace bytes per step: every token of every sample (prompt + response), all MoE layers

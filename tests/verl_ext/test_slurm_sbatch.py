@@ -22,7 +22,7 @@ while [[ $# -gt 0 && "$1" == -* ]]; do
 done
 echo "srun[$node] $*" >> "$FAKE_LOG"
 case "$1" in
-    hostname) tr ',' '\n' <<< "$FAKE_IPS" | awk -F= -v n="$node" '$1==n {print $2}';;
+    hostname) FAKE_NODE="$node" exec "$@";;
     ray) FAKE_NODE_IP=$(tr ',' '\n' <<< "$FAKE_IPS" | awk -F= -v n="$node" '$1==n {print $2}') exec "$@";;
     *) exit 0;;
 esac
@@ -43,6 +43,20 @@ fi
 '''
 
 
+HOSTNAME = r'''#!/bin/bash
+# stand-in hostname, run on node $FAKE_NODE: -I lists every address, --ip-address what the name resolves to
+ip=$(tr ',' '\n' <<< "$FAKE_IPS" | awk -F= -v n="$FAKE_NODE" '$1==n {print $2}')
+case "${FAKE_HOSTNAME:-plain}:$1" in
+    plain:*) echo "$ip";;
+    ipv6_first:-I) echo "fe80::1 2001:db8::5 $ip";;            # IPv6 listed first
+    ipv6_first:--ip-address) echo "2001:db8::5 $ip";;
+    loopback:-I) echo "";;                                       # -I unsupported/empty here
+    loopback:--ip-address) echo "127.0.1.1 $ip";;                # Debian's /etc/hosts line first
+    only_loopback:*) echo "127.0.1.1";;
+esac
+'''
+
+
 def _exe(path: Path, text: str) -> None:
     path.write_text(text)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -55,6 +69,7 @@ def _run(tmp_path: Path, fakes: dict[str, str] | None = None, **env_extra) -> tu
         _exe(bin_dir / name, text)
     _exe(bin_dir / "srun", SRUN)
     _exe(bin_dir / "ray", RAY)
+    _exe(bin_dir / "hostname", HOSTNAME)
     _exe(bin_dir / "scontrol", "#!/bin/bash\nprintf '%s\\n' " + " ".join(NODES) + "\n")
     (bin_dir / "python").symlink_to(sys.executable)
     venv = tmp_path / "env" / "bin"
@@ -102,4 +117,22 @@ def test_ray_temp_dir_that_is_too_long_is_refused_before_ray_starts(tmp_path, tm
 def test_ray_temp_dir_on_a_shared_filesystem_is_refused(tmp_path):
     proc, log = _run(tmp_path, fakes={"stat": "#!/bin/bash\necho lustre\n"})  # stat -f -c %T says Lustre
     assert proc.returncode == 1 and "shared filesystem" in proc.stderr
+    assert "ray start" not in log
+
+
+@pytest.mark.parametrize("style", ["plain", "ipv6_first", "loopback"])
+def test_ray_gets_each_nodes_ipv4_address_and_the_cpus_slurm_gave(tmp_path, style):
+    """An IPv6 address or 127.0.1.1 listed first is skipped (as verl's slurm example skips IPv6);
+    every ray start gets --num-cpus from SLURM_CPUS_PER_TASK."""
+    proc, log = _run(tmp_path, FAKE_HOSTNAME=style, SLURM_CPUS_PER_TASK="96")
+    assert proc.returncode == 0, proc.stderr
+    starts = [line for line in log.splitlines() if line.startswith("ray start")]
+    assert "--head --node-ip-address=10.0.0.1" in starts[0] and "--node-ip-address=10.0.0.2" in starts[1]
+    assert all("--address=10.0.0.1:6379" in s for s in starts[1:])
+    assert all("--num-cpus=96" in s for s in starts)
+
+
+def test_a_node_with_only_a_loopback_address_is_named_before_ray_starts(tmp_path):
+    proc, log = _run(tmp_path, FAKE_HOSTNAME="only_loopback")
+    assert proc.returncode != 0 and "node nodeA has no IPv4 address outside 127.0.0.0/8" in proc.stderr
     assert "ray start" not in log

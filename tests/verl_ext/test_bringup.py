@@ -72,6 +72,31 @@ def test_bringup_checkpoint_is_a_hub_layout_checkpoint_of_the_planned_size(tmp_p
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == cfg["vocab_size"]
     assert json.loads((out / "moerl_bringup.json").read_text())["public_config"] == name
+    rope = model.config.rope_parameters  # what vLLM and Megatron-Bridge read back from config.json
+    assert rope["rope_theta"] == cfg["rope_theta"]
+    assert rope["rope_type"] == ("yarn" if cfg["rope_scaling"] else "default")
+    assert model.model.rotary_emb.rope_type == rope["rope_type"]
+
+
+@pytest.mark.parametrize("tiny,full", [("tiny_kimi_k2", "kimi_k2"), ("kimi_k2_5layers", "kimi_k2"),
+                                       ("tiny_moonlight", "moonlight_16b_a3b"), ("tiny_qwen3_moe", "qwen3_30b_a3b")])
+def test_bringup_models_carry_their_familys_rope(tiny, full):
+    """Rung 1/3 exercise the full model's RoPE: Kimi-K2's YaRN (factor 32 over 4096 original positions)
+    reaches the tiny checkpoint, and transformers' rotary embedding built from it is YaRN's."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    t, f = planner.load_public_config(tiny), planner.load_public_config(full)
+    assert (t["rope_theta"], t["rope_scaling"]) == (f["rope_theta"], f["rope_scaling"])
+    if f["rope_scaling"] is None:
+        return
+    # transformers derives YaRN's factor from max_position_embeddings / original_max_position_embeddings
+    assert t["max_position_embeddings"] == f["max_position_embeddings"] == 4096 * 32
+    hf = ckpt.hf_config(t)
+    assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 32.0
+    yarn = DeepseekV3RotaryEmbedding(hf)
+    plain = ckpt.hf_config({**t, "rope_scaling": None})
+    assert yarn.rope_type == "yarn" and not torch.allclose(yarn.inv_freq, DeepseekV3RotaryEmbedding(plain).inv_freq)
 
 
 @pytest.mark.parametrize("exp", ["01_kimi_k2_lora_grpo", "02_kimi_k2_lora_grpo_r3", "03_qwen3_30b_a3b_lora_mitigations",

@@ -415,8 +415,13 @@ def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[s
     env_node = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
     for key in constraints.unresolved_runtime_env(cfg):
         full = f"ray_kwargs.ray_init.runtime_env.env_vars.{key}"
-        if full not in mine:
-            out.append(f"{full}={_format_value(str(OmegaConf.select(env_node, key)))}")
+        if full in mine:
+            continue
+        try:
+            value = OmegaConf.select(env_node, key, throw_on_resolution_failure=True)
+        except Exception:  # e.g. ${oc.env:X} with X unset here: left as is, rule verl.runtime_env_resolved names it
+            continue
+        out.append(f"{full}={_format_value(str(value))}")
     return out
 
 

@@ -456,6 +456,68 @@ def _verl_runtime_env(spec):
     return "runtime-env variables are plain values"
 
 
+def tokenizer_check(path: str, trust_remote_code: bool) -> str:
+    """Load the model's tokenizer as verl's workers do (verl/utils/tokenizer/tokenizer.py
+    ``hf_tokenizer`` -> ``AutoTokenizer.from_pretrained(path, trust_remote_code=...)``) and check
+    that it is the class ``tokenizer_config.json`` names and that every special token it declares
+    encodes to its own id. Raises ``Broken`` with the workaround; returns what was checked."""
+    import json
+    from pathlib import Path
+
+    from verl.utils.tokenizer.tokenizer import hf_tokenizer
+
+    cfg = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = hf_tokenizer(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers and remote code raise many types; all mean "verl cannot start"
+        hint = ""
+        if "bytes_to_unicode" in str(err):
+            hint = (" (the tokenizer's own code imports bytes_to_unicode from transformers.models.gpt2, which "
+                    "transformers 5.x removed; Moonshot's later tokenization_kimi.py imports it from "
+                    "transformers.convert_slow_tokenizer: take that file from the model repository, "
+                    "tinker-cookbook PR #414)")
+        raise Broken(f"actor_rollout_ref.model.path={path}: verl's hf_tokenizer (AutoTokenizer, trust_remote_code="
+                     f"{trust_remote_code}) fails under transformers {_transformers_version()}: "
+                     f"{type(err).__name__}: {err}{hint}; fix: the workaround above, or trust_remote_code=True if "
+                     f"tokenizer_config.json has an auto_map") from None
+    want = cfg.get("tokenizer_class")
+    if want and type(tok).__name__ not in (want, want + "Fast"):
+        raise Broken(f"actor_rollout_ref.model.path={path}: tokenizer_config.json names {want} but AutoTokenizer "
+                     f"returned {type(tok).__name__} under transformers {_transformers_version()} (transformers 5.x "
+                     f"can convert a tiktoken tokenizer to a fast backend that encodes special tokens differently: "
+                     f"tinker-cookbook PR #785, TensorRT-LLM PR #14416); fix: load the class auto_map names "
+                     f"(use_fast=False), e.g. remove a stray tokenizer.json next to it")
+    specials = {int(i): t["content"] for i, t in (cfg.get("added_tokens_decoder") or {}).items() if t.get("special")}
+    wrong = {c: tok.encode(c, add_special_tokens=False) for c in specials.values()}
+    wrong = {c: ids for c, ids in wrong.items() if ids != [next(i for i, x in specials.items() if x == c)]}
+    if wrong:
+        c, ids = next(iter(wrong.items()))
+        raise Broken(f"actor_rollout_ref.model.path={path}: special token {c!r} encodes to {ids}, not its declared id "
+                     f"({len(wrong)} of {len(specials)} special tokens wrong): chat templates would be corrupted; "
+                     f"fix: load the class tokenizer_config.json's auto_map names (use_fast=False)")
+    return f"{type(tok).__name__} loads as verl loads it; {len(specials)} special tokens encode to their ids"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+@rule("model.tokenizer_loads", f"{VERL}: verl/utils/tokenizer/tokenizer.py hf_tokenizer (AutoTokenizer.from_pretrained "
+      "with trust_remote_code, run on the model directory under the installed transformers); Kimi-K2/Moonlight ship "
+      "a tiktoken TikTokenTokenizer (tokenization_kimi.py) through auto_map")
+def _model_tokenizer(spec):
+    from pathlib import Path
+
+    path = spec.verl.get("model_path")
+    if not path or not (Path(path) / "tokenizer_config.json").is_file():
+        return None  # a hub id or a directory not on this machine: loaded for the first time by the run
+    return tokenizer_check(str(path), bool(spec.verl.get("trust_remote_code")))
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA targets: in the Megatron-Bridge mapping and applied by vLLM in prefill *and* decode
 # ---------------------------------------------------------------------------------------------
@@ -854,10 +916,22 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
                   use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),
+                  model_path=_resolved(cfg, "actor_rollout_ref.model.path"),
+                  trust_remote_code=bool(sel("actor_rollout_ref.model.trust_remote_code", False)),
                   ratio_band=moerl.get("ratio_band"),
                   rollout_correction=OmegaConf.to_container(sel("algorithm.rollout_correction"), resolve=True)
                   if sel("algorithm.rollout_correction") is not None else {}, _cfg=cfg),
         plan=plan)
+
+
+def _resolved(cfg, key: str):
+    """A config value resolved here (``${oc.env:...}``), or None when it cannot be."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except Exception:
+        return None
 
 
 def verl_engine_sequence_parallel(cfg) -> bool:

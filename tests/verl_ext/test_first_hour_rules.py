@@ -41,6 +41,8 @@ def test_fusion_is_on_unless_the_experiment_turns_it_off():
     assert C.grad_accumulation_fusion(_spec())[0] is True
     assert C.grad_accumulation_fusion(_spec(model=QWEN))[0] is True
     assert C.grad_accumulation_fusion(_spec(otc={"gradient_accumulation_fusion": False}))[0] is False
+    # verl's own converter (vanilla mbridge) leaves Megatron-Core's default, off
+    assert C.grad_accumulation_fusion(_spec(verl=dict(otc={}, use_mbridge=True, vanilla_mbridge=True)))[0] is False
 
 
 def test_fusion_without_apex_is_refused(monkeypatch):

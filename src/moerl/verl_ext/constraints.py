@@ -478,10 +478,12 @@ def tokenizer_check(path: str, trust_remote_code: bool) -> str:
                     "transformers 5.x removed; Moonshot's later tokenization_kimi.py imports it from "
                     "transformers.convert_slow_tokenizer: take that file from the model repository, "
                     "tinker-cookbook PR #414)")
+        fix = ("use the tokenizer code named above" if hint else
+               "actor_rollout_ref.model.trust_remote_code=True when tokenizer_config.json has an auto_map, or a "
+               "tokenizer that loads under this transformers")
         raise Broken(f"actor_rollout_ref.model.path={path}: verl's hf_tokenizer (AutoTokenizer, trust_remote_code="
                      f"{trust_remote_code}) fails under transformers {_transformers_version()}: "
-                     f"{type(err).__name__}: {err}{hint}; fix: the workaround above, or trust_remote_code=True if "
-                     f"tokenizer_config.json has an auto_map") from None
+                     f"{type(err).__name__}: {err}{hint}; fix: {fix}") from None
     want = cfg.get("tokenizer_class")
     if want and type(tok).__name__ not in (want, want + "Fast"):
         raise Broken(f"actor_rollout_ref.model.path={path}: tokenizer_config.json names {want} but AutoTokenizer "
@@ -564,6 +566,9 @@ def grad_accumulation_fusion(spec) -> tuple[bool, str]:
     set_ = (spec.verl.get("otc") or {}).get("gradient_accumulation_fusion")
     if set_ is not None:
         return bool(set_), f"override_transformer_config.gradient_accumulation_fusion={set_}"
+    if spec.verl.get("use_mbridge") is False or spec.verl.get("vanilla_mbridge") is True:
+        # verl's own converter (verl/models/mcore/config_converter.py) leaves Megatron-Core's default
+        return False, "unset: no Megatron-Bridge provider, Megatron-Core's ModelParallelConfig default is off"
     if spec.model.get("family") == "deepseek_v3":
         return True, "unset: Bridge's DeepSeek-V3/Kimi bridge forces it on"
     return True, "unset: Bridge's gpt_provider turns it on where Transformer Engine imports"

@@ -34,7 +34,7 @@ def test_rung_is_one_command_that_passes_every_rule(rung, capsys):
     n = int(rung.stem[-1])
     assert launch.main([str(EXP / rung.parts[0]), "--rung", str(n), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "trainer.total_training_steps=2" in out and "for this bring-up rung" in out
+    assert "trainer.total_training_steps=5" in out and "trainer.save_freq=5" in out and "for this bring-up rung" in out
     assert f"logs/bringup/{rung.parts[0][:2]}_rung{n}.jsonl" in out  # what check_first_steps reads
     data, _ = read_yaml_chain(EXP / rung)
     model = planner.load_public_config(data["moerl"]["model"])

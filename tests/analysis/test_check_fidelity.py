@@ -1,0 +1,62 @@
+"""scripts/check_fidelity.py: its comparison rule on recorded-run fixtures (a run against itself passes, a
+shifted copy does not), its table, and its refusal of a rung override."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "runs_07"
+
+
+@pytest.fixture(scope="module")
+def fidelity():
+    spec = importlib.util.spec_from_file_location("_check_fidelity", ROOT / "scripts" / "check_fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _two_seeds(fidelity):
+    runs = fidelity.cell_runs(FIXTURES, "baseline", "nvfp4")
+    assert runs, "fixture run missing"
+    second = copy.deepcopy(runs[0])
+    second["seed"], second["k3_median"] = 1, runs[0]["k3_median"] * 1.1
+    return [runs[0], second]
+
+
+def test_same_runs_pass(fidelity):
+    runs = _two_seeds(fidelity)
+    cell = fidelity.compare_cell(runs, runs)
+    assert cell["passed"]
+    measures = [r["measure"] for r in cell["rows"]]
+    assert measures[:2] == ["k3 (run median)", "re-routing share (run median)"]
+    assert any(m.startswith("pass@1 at step") for m in measures) and measures[-1].startswith("collapsed")
+
+
+def test_shifted_dose_fails(fidelity):
+    runs = _two_seeds(fidelity)
+    shifted = copy.deepcopy(runs)
+    for r in shifted:
+        r["k3_median"] *= 3
+    cell = fidelity.compare_cell(runs, shifted)
+    assert not cell["passed"]
+    assert cell["rows"][0]["overlap"] is False
+    text = fidelity.table("rollout.path=static", {"baseline @ nvfp4": cell})
+    assert "**no**" in text and "not passed" in text
+
+
+def test_one_seed_is_not_a_pass(fidelity):
+    runs = _two_seeds(fidelity)
+    assert not fidelity.compare_cell(runs, runs[:1])["passed"]
+
+
+def test_rung_override_refused(fidelity, capsys):
+    with pytest.raises(SystemExit):
+        fidelity.main(["rollout.dtype=fp8", "--compare-only"])
+    assert "must not set rollout.dtype" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """How far each phase of a GRPO step runs above its FLOP floor on this machine, for experiments 07 and 00.
 
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--steps 6] [--isa default,AVX2] [--threads 1]
-        [--regimes 07,00] [--out results/bench/floor]
+        [--regimes 07,00,qwen3_30b_a3b] [--out results/bench/floor]
 
 **The count.** Every matrix product of one step is counted from the model config and the batch's real
 token counts (a multiply-add is 2 FLOPs; elementwise work, norms, softmaxes and the optimiser are left
@@ -38,14 +38,19 @@ times: what a perfect implementation with this machine's kernels and no overhead
 precision), ``--steps`` GRPO steps on one thread after one untimed step, medians of the trainer's own
 phase timers; the lengths that the floor counts are those this run sampled. Under each ``--isa`` value a
 child process runs with ``ONEDNN_MAX_CPU_ISA`` set (``AVX2``: the kernels an AVX2-only CPU has). Prints
-measured / floor per phase and the issue's targets (07: step <= 3x, rollout <= 5x); writes
-``<out>/bench_floor.json``. On a shared machine the measured side is noisy: run it on a quiet one.
+measured / floor per phase and the targets: 07's step <= 3x and rollout <= 5x its floor; a 300-step 07 run
+<= 6 min (300 x the median step + its 7 evaluations x one timed evaluation); one GRPO step <= 15 s at
+Qwen3-30B-A3B's routing geometry (regime ``qwen3_30b_a3b``: 07's width and batch with 48 MoE layers x 128
+experts, top-8, random init); and the peak resident memory of the process after 07's steps and
+evaluation (07 runs first). Writes ``<out>/bench_floor.json``. On a shared machine the measured side is
+noisy: run it on a quiet one.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -58,8 +63,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 REGIMES = {"07": "experiments/07_dose_threshold/arms/baseline.yaml",
-           "00": "experiments/00_tiny_moe_cpu/arms/baseline.yaml"}
+           "00": "experiments/00_tiny_moe_cpu/arms/baseline.yaml",
+           "qwen3_30b_a3b": "experiments/07_dose_threshold/arms/baseline.yaml"}
+# Qwen3-30B-A3B's routing geometry (48 MoE layers x 128 experts, top-8) at 07's width and batch, from a random
+# init (no warm start exists at this geometry: answers run longer than 07's, a worst case for the step).
+REGIME_OVERRIDES = {"qwen3_30b_a3b": ["model.num_layers=48", "model.num_experts=128", "model.top_k=8",
+                                      "warm_start.enabled=false"]}
 TARGETS = {"07": {"time/step": 3.0, "time/rollout": 5.0}}
+STEP_SECONDS_TARGET = {"qwen3_30b_a3b": 15.0}  # one GRPO step at the papers' geometry
+RUN_MINUTES_TARGET = {"07": 6.0}  # a 300-step 07 run, one thread
 PHASES = ("time/rollout", "time/old_logprob", "time/update", "time/step")
 
 
@@ -241,9 +253,11 @@ def floor_seconds(count: Count, rates: GemmRates) -> float:
     return sum(flops / rates(count.shapes[name]) for name, flops in count.terms.items() if flops)
 
 
-def measure_run(arm: str, steps: int, threads: int, overrides: list[str]) -> tuple[dict, list[Lengths], object]:
+def measure_run(arm: str, steps: int, threads: int, overrides: list[str],
+                time_eval: bool = False) -> tuple[dict, list[Lengths], object]:
     """Median phase times of ``steps`` GRPO steps of ``arm`` (after one untimed step), the lengths each
-    timed step sampled, and the config."""
+    timed step sampled, and the config; with ``time_eval`` also one held-out evaluation's seconds
+    (``time/eval``)."""
     import torch
 
     from moerl.config import load_config
@@ -272,8 +286,14 @@ def measure_run(arm: str, steps: int, threads: int, overrides: list[str]) -> tup
                 rows.append(logged)
             print(f"  step {i + 1}/{steps + 1}: {logged['time/step']:.2f} s"
                   f"{' (untimed)' if i == 0 else ''}", flush=True)
+        if time_eval:
+            start = time.perf_counter()
+            trainer.evaluate()
+            eval_seconds = time.perf_counter() - start
         trainer.close()
     medians = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    if time_eval:
+        medians["time/eval"] = eval_seconds
     return medians, lengths[1:], cfg
 
 
@@ -290,8 +310,13 @@ def child(args) -> dict:
            "machine": machine_info(), "torch": torch.__version__}
     vocab = len(build_tokenizer())
     for regime in args.regimes.split(","):
-        print(f"[{args.isa}] experiment {regime}: {REGIMES[regime]}, {args.steps} timed steps", flush=True)
-        measured, lengths, cfg = measure_run(REGIMES[regime], args.steps, args.threads, args.overrides)
+        print(f"[{args.isa}] {regime}: {REGIMES[regime]} {' '.join(REGIME_OVERRIDES.get(regime, []))}, "
+              f"{args.steps} timed steps", flush=True)
+        measured, lengths, cfg = measure_run(REGIMES[regime], args.steps, args.threads,
+                                             REGIME_OVERRIDES.get(regime, []) + args.overrides,
+                                             time_eval=regime in RUN_MINUTES_TARGET)
+        # Peak resident memory of this process so far (Linux: KiB): after 07, which runs first, its run's peak.
+        peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         dims = Dims.of(cfg, vocab)
         floors, gflop = {}, {}
         per_step = []
@@ -304,13 +329,21 @@ def child(args) -> dict:
         gflop["time/step"] = sum(gflop[p] for p in PHASES[:-1])
         floors["time/step"] = sum(floors[p] for p in PHASES[:-1])
         example = phase_counts(dims, lengths[0], cfg.trainer.micro_batch_size, cfg.trainer.epochs)
+        if "time/eval" in measured:  # a whole run: its steps and its evaluations (every eval_every, and step 0)
+            evals = 1 + (cfg.trainer.steps // cfg.trainer.eval_every if cfg.trainer.eval_every else 0)
+            run_minutes = (cfg.trainer.steps * measured["time/step"] + evals * measured["time/eval"]) / 60
+        else:
+            run_minutes = None
         out["regimes"][regime] = {
+            "run_minutes_estimate": run_minutes, "trainer_steps": cfg.trainer.steps,
             "arm": REGIMES[regime], "measured_s": measured, "floor_s": floors, "gflop": gflop,
             "ratio": {p: measured[p] / floors[p] for p in PHASES},
+            "overrides": REGIME_OVERRIDES.get(regime, []),
             "effective_gflops": {p: gflop[p] / floors[p] for p in PHASES},
             "mean_prompt_tokens": statistics.mean(x for b in lengths for x in b.prompt),
             "mean_response_tokens": statistics.mean(x for b in lengths for x in b.response),
             "samples_per_step": len(lengths[0].prompt),
+            "peak_rss_mib_so_far": peak_rss_mib,
             "terms_gflop_first_step": {p: {k: v / 1e9 for k, v in c.terms.items()} for p, c in example.items()},
         }
     out["rates_gflops"] = {str(k): v / 1e9 for k, v in rates.cache.items()}
@@ -324,7 +357,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--isa", default="default,AVX2", help="comma-separated ONEDNN_MAX_CPU_ISA values "
                                                            "('default': unset)")
-    ap.add_argument("--regimes", default="07,00", help=f"comma-separated, of {sorted(REGIMES)}")
+    ap.add_argument("--regimes", default="07,00,qwen3_30b_a3b", help=f"comma-separated, of {sorted(REGIMES)} "
+                                                                     "(07 first: its peak memory is read after it)")
     ap.add_argument("--out", default="results/bench/floor")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every regime's run")
@@ -359,7 +393,7 @@ def main(argv=None) -> dict:
         print(f"\nONEDNN_MAX_CPU_ISA={r['isa']}, {r['threads']} thread(s); fp32 GEMM peak at 1024^3: "
               f"{r['peak_gflops_1024']:.0f} GFLOP/s")
         for regime, res in r["regimes"].items():
-            print(f"experiment {regime} ({res['samples_per_step']} samples, prompt {res['mean_prompt_tokens']:.1f} + "
+            print(f"{regime} ({res['samples_per_step']} samples, prompt {res['mean_prompt_tokens']:.1f} + "
                   f"response {res['mean_response_tokens']:.1f} tokens):")
             print(f"  {'phase':18s} {'GFLOP':>7s} {'GFLOP/s@shape':>13s} {'floor s':>8s} {'measured s':>10s} "
                   f"{'measured/floor':>14s} {'target':>7s}")
@@ -369,6 +403,15 @@ def main(argv=None) -> dict:
                 verdict = "" if target is None else f"<={target:g} {'met' if ratio <= target else 'NOT met'}"
                 print(f"  {p[5:]:18s} {res['gflop'][p]:7.2f} {res['effective_gflops'][p]:13.1f} "
                       f"{res['floor_s'][p]:8.3f} {res['measured_s'][p]:10.3f} {ratio:14.1f} {verdict:>7s}")
+            if regime in STEP_SECONDS_TARGET:
+                step, target = res["measured_s"]["time/step"], STEP_SECONDS_TARGET[regime]
+                print(f"  one GRPO step {step:.1f} s (target <= {target:g} s: {'met' if step <= target else 'NOT met'})")
+            if res.get("run_minutes_estimate") is not None:
+                minutes, target = res["run_minutes_estimate"], RUN_MINUTES_TARGET[regime]
+                print(f"  a {res['trainer_steps']}-step run: {minutes:.1f} min = steps x median step + evaluations x "
+                      f"one evaluation ({res['measured_s']['time/eval']:.1f} s) (target <= {target:g} min: "
+                      f"{'met' if minutes <= target else 'NOT met'})")
+            print(f"  peak resident memory of the bench process so far: {res['peak_rss_mib_so_far']:.0f} MiB")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"steps": args.steps, "quick": args.quick, "overrides": args.overrides, "results": results,

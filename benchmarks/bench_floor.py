@@ -124,10 +124,11 @@ class Count:
 
 
 def forward_count(d: Dims, tokens: float, pairs: float, logit_positions: float, rows: int,
-                  queries_per_call: int = 1, keys_per_call: int = 1) -> Count:
+                  queries_per_call: int = 1, keys_per_call: int = 1, sequences_per_call: int = 1) -> Count:
     """Matrix FLOPs of one forward over ``tokens`` token positions in which ``pairs`` (query, key) pairs
     are attended and ``logit_positions`` positions get logits. ``rows`` is the rows of one product call
-    (for the rate), ``queries_per_call`` / ``keys_per_call`` the attention shape of one call."""
+    (for the rate); one attention call covers ``sequences_per_call`` sequences x heads, each
+    ``queries_per_call`` x ``keys_per_call``."""
     c, L, H = Count(), d.layers, d.hidden
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
     for name, fan_in, fan_out in (("q_proj", H, q_out), ("k_proj", H, kv_out), ("v_proj", H, kv_out),
@@ -136,7 +137,7 @@ def forward_count(d: Dims, tokens: float, pairs: float, logit_positions: float, 
         if d.lora_attention and d.rank:
             c.add("lora.attention", 2 * tokens * d.rank * (fan_in + fan_out) * L, (rows, fan_in, d.rank))
     c.add("attention.core", 2 * 2 * pairs * d.heads * d.head_dim * L,
-          ("bmm", d.heads, queries_per_call, d.head_dim, keys_per_call))
+          ("bmm", sequences_per_call * d.heads, queries_per_call, d.head_dim, keys_per_call))
     c.add("router", 2 * tokens * H * d.experts * L, (rows, H, d.experts))
     expert_rows = max(1, rows * d.top_k // d.experts)
     routed = tokens * d.top_k
@@ -185,14 +186,15 @@ def phase_counts(d: Dims, lengths: Lengths, micro_batch: int, epochs: int) -> di
     decode_pairs = sum(causal_pairs(p, p + r - 1) for p, r in zip(lengths.prompt, lengths.response))
     rollout = Count()
     rollout.merge(forward_count(d, prefill_tokens, prefill_pairs, 0, n * lengths.padded_prompt,
-                                lengths.padded_prompt, lengths.padded_prompt), suffix="@prefill")
-    rollout.merge(forward_count(d, decode_tokens, decode_pairs, sampled, n, 1, lengths.padded_total),
+                                lengths.padded_prompt, lengths.padded_prompt, n), suffix="@prefill")
+    rollout.merge(forward_count(d, decode_tokens, decode_pairs, sampled, n, 1, lengths.padded_total, n),
                   suffix="@decode")
     t = lengths.padded_total - 1
-    rows = min(micro_batch, n) * t
+    micro = min(micro_batch, n)
+    rows = micro * t
     tokens = sum(p + r - 1 for p, r in zip(lengths.prompt, lengths.response))
     pairs = prefill_pairs + decode_pairs
-    forward = forward_count(d, tokens, pairs, sampled, rows, t, t)
+    forward = forward_count(d, tokens, pairs, sampled, rows, t, t, micro)
     update = Count()
     update.merge(forward, scale=epochs)
     update.merge(backward_count(forward), scale=epochs)

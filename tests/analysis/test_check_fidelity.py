@@ -60,3 +60,15 @@ def test_rung_override_refused(fidelity, capsys):
     with pytest.raises(SystemExit):
         fidelity.main(["rollout.dtype=fp8", "--compare-only"])
     assert "must not set rollout.dtype" in capsys.readouterr().err
+
+
+def test_control_k3_is_judged_as_no_mismatch(fidelity):
+    runs = fidelity.cell_runs(FIXTURES, "fp32_control", "fp32")
+    assert runs
+    a, b = copy.deepcopy(runs[0]), copy.deepcopy(runs[0])
+    a["k3_median"], b["k3_median"] = 1.8e-13, 9e-14  # fp32 noise on both sides: intervals apart, both no mismatch
+    second_a, second_b = dict(a, seed=1), dict(b, seed=1)
+    row = fidelity.compare_cell([a, second_a], [b, second_b], control=True)["rows"][0]
+    assert row["overlap"] is True and "no mismatch" in row["measure"]
+    b["k3_median"] = second_b["k3_median"] = 1e-3  # the control with a mismatch: fails
+    assert fidelity.compare_cell([a, second_a], [b, second_b], control=True)["rows"][0]["overlap"] is False

@@ -127,8 +127,11 @@ class RolloutConfig:
 
     engine: Literal["hf", "vllm"] = "hf"
     # Quantised rollouts (moerl.rollout.precision), weights rounded through their format, computed in
-    # bf16: fp8 (e4m3, per-channel), int8 (per-channel, FlashRL), nvfp4 (e2m1, 16-blocks), int4 (group 128).
-    dtype: Literal["bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "int4"] = "bf16"
+    # bf16: fp8 (e4m3, per-channel), int8 (per-channel, FlashRL), nvfp4 (e2m1, 16-blocks), int4 (group 128);
+    # nvfp4 / int4 on the routed experts only (``_experts``) or attention only (``_attention``); int4_kimi:
+    # Kimi-K2-Thinking's INT4 routed experts (group 32, scale amax / 7), everything else bf16.
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "int4", "nvfp4_experts", "nvfp4_attention",
+                   "int4_experts", "int4_attention", "int4_kimi"] = "bf16"
     # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
     # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
     # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
@@ -253,6 +256,10 @@ class TrainerConfig:
     # Every N steps recompute the old logprobs of the same batch with the other replay setting (R3 arms:
     # without replay; others: with the rollout trace) for a paired k3 ratio; 0 = off.
     paired_replay_every: int = num(0, 0, why="0 turns the paired replay measurement off")
+    # The trainer computes with its weights on the rollout's quantised grid (moerl.rollout.precision.
+    # fake_quantize_masters; SkyRL's fake-INT4 QAT): ``none``, or the rollout's own quantised precision.
+    fake_quant: Literal["none", "fp8", "int8", "nvfp4", "int4", "nvfp4_experts", "nvfp4_attention", "int4_experts",
+                        "int4_attention", "int4_kimi"] = "none"
 
 
 @dataclass
@@ -349,7 +356,8 @@ def config_hash(cfg: ExperimentConfig) -> str:
 # Keys added after runs were recorded, with the value those runs computed with: a recorded identity
 # that lacks one is read as having this value (so an old run still resumes, and is not taken for a
 # run of the new default).
-LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout", "trainer.eval_samples": 1}
+LEGACY_VALUES = {"rollout.kernels": "native", "trainer.eval_precision": "rollout", "trainer.eval_samples": 1,
+                 "trainer.fake_quant": "none"}
 
 
 def with_legacy_values(identity: dict) -> dict:
@@ -768,7 +776,10 @@ def validate(cfg: ExperimentConfig) -> None:
          "rollout.kernels=emulated is the embedded engine's (rollout.engine=hf); vLLM runs its own kernels: set rollout.kernels=native"),
         (cfg.replay.layer_mapping == "layer_number" or cfg.replay.mode == "R3",
          "replay.layer_mapping=position reproduces an R3 bug and needs replay.mode=R3"),
-        (not (r.dtype in ("fp8", "int8", "nvfp4", "int4") and cfg.refit.mode == "merged"),
+        (cfg.trainer.fake_quant in ("none", r.dtype),
+         f"trainer.fake_quant={cfg.trainer.fake_quant} puts the trainer on the rollout's grid: it must be none or "
+         f"rollout.dtype ({r.dtype})"),
+        (not (r.dtype not in ("bf16", "fp16", "fp32") and cfg.refit.mode == "merged"),
          f"rollout.dtype={r.dtype} needs refit.mode=adapter (the engine quantises its base once; a merged "
          "refit would overwrite it with unquantised weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),

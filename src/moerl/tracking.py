@@ -225,7 +225,8 @@ class Tracker:
         # base_hash: the content of the base weights the LoRA trains on; format: what the run's checkpoints
         # carry (a run continued from checkpoints written before manifests keeps reading as such).
         record = {"run": cfg.run_name, "config_hash": config_hash(cfg), "base_hash": base_hash,
-                  **({} if legacy_run else {"format": RUN_FORMAT}), "identity": identity_dict(cfg)}
+                  **({} if legacy_run else {"format": RUN_FORMAT}), "identity": identity_dict(cfg),
+                  "registration": self._registration(cfg)}
         atomic_write_text(self.run_dir / "run.json", json.dumps(record, indent=1) + "\n")
         # The rollout's kernels decide whether its bf16 numbers depend on this machine (native) or not.
         self.machine = {**machine_info(), "rollout_dtype": cfg.rollout.dtype, "rollout_kernels": cfg.rollout.kernels}
@@ -233,6 +234,21 @@ class Tracker:
         atomic_write_text(self.run_dir / "git_sha.txt", git_sha() + "\n")
         self._fh = open(self.metrics_path, "a")
         self.wandb = self._init_wandb(cfg)
+
+    def _registration(self, cfg: ExperimentConfig) -> dict | None:
+        """The experiment's registered-analysis file (hash, start time) as of the run's first start: a
+        resume keeps what the run started under (moerl.analysis.registration)."""
+        path = self.run_dir / "run.json"
+        if path.exists():
+            try:
+                kept = json.loads(path.read_text()).get("registration")
+            except json.JSONDecodeError:
+                kept = None
+            if kept or self.metrics_path.exists():
+                return kept  # a run recorded before runs carried it stays without one
+        from moerl.analysis.registration import registration_record
+
+        return registration_record(cfg.experiment)
 
     @property
     def wandb_sync_dir(self) -> Path | None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from moerl.config import load_config
-from moerl.analysis.dose import RUNGS
+from moerl.analysis.dose import MECHANISM_RUNGS, QAT_ARMS, RUNGS
 from moerl.trainer.grpo import GRPOTrainer
 from tests_helpers import tiny_overrides_for
 
@@ -18,11 +18,13 @@ TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=8", "mo
 
 def test_every_arm_loads_in_the_regime():
     arms = {p.stem: load_config(p) for p in ARMS.glob("*.yaml")}
-    assert set(arms) == {"baseline", "fp32_control", "tis", "mis", "icepop", "r3", "r3_tis"}
+    assert set(arms) == {"baseline", "fp32_control", "tis", "mis", "icepop", "r3", "r3_tis", *QAT_ARMS}
     for name, cfg in arms.items():
         assert cfg.experiment == "07_dose_threshold" and cfg.arm == name
         assert cfg.trainer.eval_precision == "fp32" and cfg.rollout.kernels == "emulated"
-        assert cfg.data.task == "arith_steps" and cfg.rollout.dtype == ("fp32" if name == "fp32_control" else "bf16")
+        rung = "fp32" if name == "fp32_control" else "int4_kimi" if name in QAT_ARMS else "bf16"
+        assert cfg.data.task == "arith_steps" and cfg.rollout.dtype == rung
+        assert cfg.trainer.fake_quant == ("int4_kimi" if name in QAT_ARMS else "none")
 
 
 def one_step(tmp_path, arm, extra=()):
@@ -42,7 +44,13 @@ def test_one_step_at_every_rung(rung, tmp_path):
         assert m["mismatch/k3"] < 1e-9
 
 
-@pytest.mark.parametrize("arm", ["tis", "mis", "icepop", "r3_tis"])
+@pytest.mark.parametrize("rung", MECHANISM_RUNGS)
+def test_one_step_at_every_mechanism_rung(rung, tmp_path):
+    m = one_step(tmp_path, "baseline", [f"rollout.dtype={rung}"])
+    assert m["mismatch/k3"] > 0 and 0 <= m["routing/any_layer_differs"] <= 1
+
+
+@pytest.mark.parametrize("arm", ["tis", "mis", "icepop", "r3_tis", *QAT_ARMS])
 def test_one_step_of_every_mitigation(arm, tmp_path):
     m = one_step(tmp_path, arm)
     assert 0 <= m["effective/token_frac"] <= 1

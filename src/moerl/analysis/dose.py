@@ -49,7 +49,12 @@ RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the 
 CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
 GRID_SEEDS = 3  # seeds per arm and rung in the main grid
-MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis")  # the main grid's arms besides baseline and control
+# Where the 4-bit mismatch lives (moerl.rollout.precision): each 4-bit format on the routed experts only or on
+# attention only, and Kimi-K2-Thinking's INT4 routed experts; run by the baseline and R3.
+MECHANISM_RUNGS = ("nvfp4_experts", "nvfp4_attention", "int4_experts", "int4_attention", "int4_kimi")
+# The trainer-side mitigation of the Kimi rung: fake-quantised INT4 masters, alone, with R3, with TIS.
+QAT_ARMS = ("qat_int4", "qat_int4_r3", "qat_int4_tis")
+MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis", *QAT_ARMS)  # the grid's arms besides baseline and control
 # What each mitigation acts on, per run (run mean of a per-step share of response tokens), as committed
 # before the grid: TIS truncates weights, MIS / IcePop zero them, R3 replaces the trainer's experts where
 # they differ from the rollout's. TIS's measure was amended since (module docstring).
@@ -57,7 +62,9 @@ ACTS_ON_PREREGISTERED = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "
                          "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
 # TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).
 TIS_REWEIGHTED = "is/outside_band_frac"
-ACTS_ON = {**ACTS_ON_PREREGISTERED, "tis": TIS_REWEIGHTED}
+ACTS_ON = {**ACTS_ON_PREREGISTERED, "tis": TIS_REWEIGHTED,
+           # the fake-quantised trainer acts on every weight, not on a share of tokens: no floor applies to it
+           "qat_int4_r3": "routing/any_layer_differs", "qat_int4_tis": TIS_REWEIGHTED}
 MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 at most 0.05 below it (half the control's required gain)
 
 

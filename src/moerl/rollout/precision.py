@@ -7,6 +7,23 @@ rounded. Each quantised precision is a mechanism production RL systems run, weig
 | ``int8``  | symmetric int8, one scale per output channel (amax / 127) | FlashRL's INT8 rollouts (vLLM W8A16, the setting its truncated importance sampling was introduced for) |
 | ``nvfp4`` | e2m1 values in blocks of 16 along the input, one e4m3 scale per block, one fp32 scale per tensor | NVIDIA's NVFP4 (vLLM ``ref_nvfp4_quant`` convention: global scale 448·6 / amax); QeRL's 4-bit LoRA RL rollouts |
 | ``int4``  | symmetric int4 in groups of 128 along the input, scale = group amax / 7.5, values clamped to [-8, 7] | compressed-tensors ``W4A16`` (``calculate_qparams``, symmetric), run by vLLM's Marlin kernels |
+| ``int4_kimi`` | routed experts only: symmetric int4 in groups of 32, scale = bf16(group amax / 7), values in [-7, 7] | Kimi-K2-Thinking's native INT4 release (below) |
+
+**Where the 4-bit mismatch lives.** ``<format>_experts`` / ``<format>_attention`` (``nvfp4`` and ``int4``)
+round only the routed experts' weights, or only the attention projections, through the format and leave
+every other weight in bf16: the two halves of a 4-bit rung, to separate a mismatch in the experts' weights
+from one in attention's.
+
+**Kimi-K2-Thinking's INT4.** Its ``config.json`` ships ``quantization_config`` = compressed-tensors,
+``format: pack-quantized``, one config group of ``weights: {num_bits: 4, type: int, symmetric: true,
+strategy: group, group_size: 32}`` on the routed experts, with attention, the shared experts, the dense
+first layer and ``lm_head`` in the ``ignore`` list (bf16)
+(https://huggingface.co/moonshotai/Kimi-K2-Thinking/blob/main/config.json). Its grid is the QAT one,
+scale = amax / 7 and codes in [-7, 7] (the largest weight of every group codes to ±7), stored as a bf16
+scale: SkyRL's fake-INT4 QAT documents and verifies this convention bit for bit against Kimi's release
+(``skyrl/backends/skyrl_train/workers/megatron/fake_int4_qat.py``, NovaSky-AI/SkyRL a9564572,
+``scale_divisor=7.0, q_min=-7``). :func:`fake_quantize_masters` puts the trainer's own weights on the
+same grid (SkyRL's trainer-side mitigation).
 
 A CPU has none of these kernels, so each weight is rounded once through its format on the engine's copy
 and kept dequantised in bf16: the engine then computes with exactly the values the quantised weight can
@@ -28,9 +45,17 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 NVFP4_BLOCK = 16
 INT4_GROUP = 128
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16,
-                  "int8": torch.bfloat16, "nvfp4": torch.bfloat16, "int4": torch.bfloat16}
-QUANTISED = ("fp8", "int8", "nvfp4", "int4")
+KIMI_INT4_GROUP = 32
+KIMI_INT4_DIVISOR = 7.0  # scale = amax / 7, codes in [-7, 7] (Kimi / Miles QAT; compressed-tensors RTN uses 7.5, [-8, 7])
+
+# A quantised precision is a format and the weights it covers: every eligible weight ("all"), the routed
+# experts only ("experts") or the attention projections only ("attention").
+SCOPED = {"nvfp4_experts": ("nvfp4", "experts"), "nvfp4_attention": ("nvfp4", "attention"),
+          "int4_experts": ("int4", "experts"), "int4_attention": ("int4", "attention"),
+          "int4_kimi": ("int4_kimi", "experts")}
+QUANTISED = ("fp8", "int8", "nvfp4", "int4", *SCOPED)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                  **{p: torch.bfloat16 for p in QUANTISED}}
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -102,8 +127,39 @@ def quantize_dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> t
     return _unblock(torch.round(blocks / scale).clamp(-8, 7) * scale, pad)
 
 
+def quantize_dequantize_int4_kimi(weight: torch.Tensor) -> torch.Tensor:
+    """Kimi-K2-Thinking's INT4 grid: groups of 32 along the input, scale = bf16(group amax / 7) (one fp32
+    divide, one rounding to the bf16 scale the checkpoint stores), codes round(w / scale) clamped to
+    [-7, 7], dequantised as code · scale rounded to bf16 (the engine's weight dtype). An all-zero group
+    stays zero."""
+    w = weight.detach().float()
+    blocks, pad = _blocks(w, KIMI_INT4_GROUP)
+    scale = (blocks.abs().amax(-1, keepdim=True) / KIMI_INT4_DIVISOR).to(torch.bfloat16).float()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(blocks / safe).clamp(-KIMI_INT4_DIVISOR, KIMI_INT4_DIVISOR)
+    return _unblock((codes * scale).to(torch.bfloat16).float(), pad)
+
+
 QUANTIZERS = {"fp8": quantize_dequantize_e4m3, "int8": quantize_dequantize_int8,
-              "nvfp4": quantize_dequantize_nvfp4, "int4": quantize_dequantize_int4}
+              "nvfp4": quantize_dequantize_nvfp4, "int4": quantize_dequantize_int4,
+              "int4_kimi": quantize_dequantize_int4_kimi}
+
+
+def format_and_scope(precision: str) -> tuple[str | None, str]:
+    """(the quantiser's format, the weights it covers) of a precision; (None, "all") when unquantised."""
+    if precision in SCOPED:
+        return SCOPED[precision]
+    return (precision if precision in QUANTIZERS else None), "all"
+
+
+def in_scope(name: str, scope: str) -> bool:
+    """Whether a (quantisable) weight belongs to ``scope``: the routed experts (``.experts.``: not the
+    DeepSeek-V3 / Kimi-K2 shared experts, not a dense layer's MLP) or the attention projections."""
+    if scope == "experts":
+        return ".experts." in name
+    if scope == "attention":
+        return ".self_attn." in name
+    return True
 
 
 def is_quantised_weight(name: str, param: torch.Tensor) -> bool:
@@ -118,15 +174,77 @@ def is_quantised_weight(name: str, param: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, precision: str) -> list[str]:
-    """Replace every eligible weight of ``model`` by its round trip through ``precision``'s format, stored
-    in the engine's compute dtype. Returns the names changed (none for an unquantised precision)."""
-    quantizer = QUANTIZERS.get(precision)
-    if quantizer is None:
+    """Replace every eligible weight of ``model`` in ``precision``'s scope by its round trip through the
+    format, stored in the engine's compute dtype. Returns the names changed (none for an unquantised
+    precision)."""
+    fmt, scope = format_and_scope(precision)
+    if fmt is None:
         return []
+    quantizer = QUANTIZERS[fmt]
     changed = []
     for name, param in model.named_parameters():
-        if is_quantised_weight(name, param):
+        if is_quantised_weight(name, param) and in_scope(name, scope):
             param.copy_(quantizer(param).to(param.dtype if param.dtype != torch.float32
                                             else compute_dtype(precision)))
             changed.append(name)
+    return changed
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Forward: the weight's round trip through a format; backward: the identity (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, weight, quantizer):
+        return quantizer(weight).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fake_quantize_ste(weight: torch.Tensor, precision: str) -> torch.Tensor:
+    """``weight`` on ``precision``'s grid in the forward pass, its gradient passed straight through to the
+    master weight (quantisation-aware training, as SkyRL's fake-INT4 QAT)."""
+    fmt, _ = format_and_scope(precision)
+    return _FakeQuantSTE.apply(weight, QUANTIZERS[fmt])
+
+
+class _OnGrid(nn.Module):
+    def __init__(self, precision: str):
+        super().__init__()
+        self.precision = precision
+
+    def forward(self, weight):
+        return fake_quantize_ste(weight, self.precision)
+
+
+@torch.no_grad()
+def fake_quantize_masters(model: nn.Module, precision: str) -> list[str]:
+    """The trainer-side mitigation of a quantised rollout: the trainer computes with the weights the
+    engine computes with (the same format, the same scope), so the weight half of the mismatch is gone.
+
+    A trainable master keeps full precision and is seen through :func:`fake_quantize_ste` (a
+    parametrization: forward on the grid, gradient straight through). A frozen master (the base weights
+    under LoRA) gets no gradient for the straight-through estimator to deliver, so it is put on the grid
+    once, in place: rounded from the bf16 copy the engine holds, through the same quantiser, to the bf16
+    values the engine computes with (SkyRL's masters are bf16 too). The trainer's base is then exactly
+    the engine's, and a LoRA adapter on top trains against it. Call it after LoRA has frozen the base.
+    Returns the names changed."""
+    fmt, scope = format_and_scope(precision)
+    if fmt is None:
+        raise ValueError(f"fake_quantize_masters: {precision!r} is not a quantised precision (one of {QUANTISED})")
+    from torch.nn.utils import parametrize
+
+    changed = []
+    for name, param in list(model.named_parameters()):
+        if not (is_quantised_weight(name, param) and in_scope(name, scope)):
+            continue
+        if param.requires_grad:
+            owner_name, _, attr = name.rpartition(".")
+            with torch.enable_grad():
+                parametrize.register_parametrization(model.get_submodule(owner_name), attr, _OnGrid(precision))
+        else:
+            engine_copy = param.to(compute_dtype(precision))
+            param.copy_(QUANTIZERS[fmt](engine_copy).to(compute_dtype(precision)).to(param.dtype))
+        changed.append(name)
     return changed

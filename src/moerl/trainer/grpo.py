@@ -161,6 +161,12 @@ class GRPOTrainer:
             self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
         self.refitter = (VLLMAdapterRefit(self.policy, self.engine) if cfg.rollout.engine == "vllm" else
                          make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype))
+        if cfg.trainer.fake_quant != "none":
+            # The trainer computes on the rollout's quantised grid, rounded from the same weights the engine
+            # rounded (after it was built, so neither rounds an already-rounded weight).
+            from moerl.rollout.precision import fake_quantize_masters
+
+            fake_quantize_masters(self.policy, cfg.trainer.fake_quant)
         self.sampler = PromptSampler(self.train_rows, cfg.seed)
         self.agreement_alarm = AgreementAlarm(cfg.replay.agreement_alarm)
         self.step_idx = 0

@@ -104,9 +104,9 @@ class Version:
 def file_history(path: Path, root: Path = REPO) -> list[Version]:
     """Every committed version of the file, oldest first (renames followed)."""
     rel = Path(path).resolve().relative_to(Path(root).resolve())
-    log = _git(root, "log", "--follow", "--format=%h %ct", "--name-only", "--", str(rel)).split("\n\n")
+    log = _git(root, "log", "--follow", "--format=@@%h %ct", "--name-only", "--", str(rel))
     versions = []
-    for entry in log:
+    for entry in log.split("@@")[1:]:
         lines = [line for line in entry.splitlines() if line.strip()]
         if len(lines) < 2:
             continue
@@ -257,13 +257,15 @@ class Registration:
         found = [self.status(r, grid) for r in rids]
         return "; ".join(s.label() for s in found if s.post_hoc)
 
-    def timeline(self) -> list[str]:
+    def timeline(self, started_only: bool = False) -> list[str]:
         """Markdown lines: each rule with its registration, its amendments and, per grid it judges,
-        whether its current value is pre-registered or post hoc there."""
+        whether its current value is pre-registered or post hoc there (``started_only``: grids with runs)."""
         lines = []
         for rid, rule in self.rules.items():
             for grid in rule["grids"]:
                 s = self.status(rid, grid)
+                if started_only and s.grid_started is None:
+                    continue
                 start = f"{s.grid_started:%Y-%m-%d %H:%M} UTC" if s.grid_started else "not started"
                 history = "; ".join(f"{c} ({t:%m-%d %H:%M}) replaced {was!r}: {why}" for c, t, was, why in s.changes)
                 lines.append(f"| {rid} | {grid} (first run {start}) | `{json.dumps(s.value, default=str)}` | "

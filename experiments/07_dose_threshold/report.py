@@ -21,9 +21,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.analysis.dose import (EXPERIMENT, GRID_SEEDS, MATCH_MARGIN, MITIGATIONS, control_learns, load_runs,  # noqa: E402
-                        RUNGS, RunReadError, arm_threshold, mismatch_order, mitigation_verdicts, r3_reduces_mismatch, run_summary,
-                        threshold, threshold_shift)
+from moerl.analysis import power  # noqa: E402
+from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GRID_SEEDS, MATCH_MARGIN,  # noqa: E402
+                                 MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold, control_learns,
+                                 dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
+                                 mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
+                                 run_summary, threshold, threshold_shift)
+from moerl.analysis.registration import Registration, analysis_path  # noqa: E402
 from moerl.analysis.plots import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
 from moerl.analysis.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
@@ -32,6 +36,35 @@ from moerl.tracking import read_metrics  # noqa: E402
 
 def fmt(x, spec=".3f"):
     return "—" if x is None else format(x, spec)
+
+
+# The registered rules each verdict is computed under (experiments/07_dose_threshold/analysis.yaml).
+RULES_OF = {"helps": ["helps_threshold", "acts_on_floor", "effect_gate"],
+            "like_control": ["match_margin", "acts_on_floor", "effect_gate", "control_gain", "regime_seeds", "regime_gate"],
+            "prevents_collapse": ["prevents_collapse_seeds", "collapse", "acts_on_floor", "effect_gate", "control_gain",
+                                  "regime_seeds", "regime_gate"],
+            "keeps_drifting": ["drift"], "masking": ["masking"],
+            "r3_reduces_mismatch": ["r3_reduces_mismatch", "r3_k3_pre_collapse"],
+            "threshold": ["control_gain", "regime_seeds", "collapse", "regime_gate"]}
+_REGISTRATION: list = []
+
+
+def registration(runs: list[dict] | None = None) -> Registration:
+    """The experiment's registered analysis with its git history, judged against the runs' recorded
+    starts (built once per report)."""
+    if runs is not None or not _REGISTRATION:
+        _REGISTRATION[:] = [Registration(analysis_path(EXPERIMENT), runs=runs or [])]
+    return _REGISTRATION[0]
+
+
+def post_hoc(kind: str, arm: str | None = None, grid: str = "main") -> str:
+    """' — post hoc: <rule> (<commit>), ...' for a verdict of ``kind`` computed under a rule set after the
+    grid started ('' when every rule it uses was registered in time)."""
+    rules = list(RULES_OF[kind])
+    if arm and kind in ("helps", "like_control", "prevents_collapse") and ACTS_ON.get(arm) != ACTS_ON_PREREGISTERED.get(arm):
+        rules.append("acts_on_measure")
+    late = [st for st in (registration().status(r, grid) for r in rules) if st.post_hoc]
+    return "" if not late else " — *post hoc*: " + ", ".join(f"{st.rule} ({st.set_by or 'uncommitted'})" for st in late)
 
 
 def ladder_rows(runs: list[dict]) -> tuple[dict, dict | None]:
@@ -71,10 +104,33 @@ def markdown(runs: list[dict]) -> str:
         f"seed {r['seed']}: pass@1 {fmt(r['pass1_start'])} → {fmt(r['pass1_end'])} at step {r['pass1_end_step']}"
         f" ({_learns(r)})" for r in sorted(controls, key=lambda r: r["seed"]))]
     finished = ladder_complete(ladder)
-    found = threshold(ladder, control) if control is not None else None
+    state = regime({r["seed"]: r for r in controls})
+    found = threshold(ladder, control, state["learns"]) if control is not None else None
+    ungated = threshold(ladder, control) if control is not None else None
+    verdict = found or ("not tested" if not state["learns"] else "none")
     lines.append("Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control "
-                 f"learns): **{found or 'none'}**" + ("" if finished else " — the ladder is not complete yet"))
+                 f"learns): **{verdict}**" + ("" if finished else " — the ladder is not complete yet")
+                 + ("" if state["learns"] else f" (regime: {state['status']}; seed 0 alone, ungated: {ungated or 'none'})")
+                 + post_hoc("threshold", grid="ladder"))
+    order = dose_order(ladder)
+    if order:
+        lines.append(order)
     return "\n".join(lines) + "\n"
+
+
+def dose_order(ladder: dict[str, dict]) -> str:
+    """How sure the ladder is of the order of its two highest-dose rungs (one seed each): their k3 ratio
+    with a moving-block bootstrap interval over steps (moerl.analysis.dose.dose_order_uncertainty)."""
+    rungs = [r for r in mismatch_order(ladder) if r != "fp32"]
+    if len(rungs) < 2:
+        return ""
+    low, high = rungs[-2], rungs[-1]
+    rows = {r: read_metrics(Path(ladder[r]["run_dir"]) / "metrics.jsonl") for r in (low, high)}
+    u = dose_order_uncertainty(rows[low], rows[high])
+    return (f"Dose order of the top two rungs (seed 0): run-median k3 {high} / {low} = {u['ratio']:.2f} "
+            f"[{u['lo']:.2f}, {u['hi']:.2f}] (95 % moving-block bootstrap over steps, blocks of 25) — "
+            + ("resolved" if u["resolved"] else f"**not resolved**: {low} and {high} are tied in dose, so which of "
+               "the two is the threshold is not settled by this ladder"))
 
 
 def by_seed(runs: list[dict], arm: str, rung: str | None = None) -> dict[int, dict]:
@@ -86,17 +142,40 @@ def by_seed(runs: list[dict], arm: str, rung: str | None = None) -> dict[int, di
 def grid(runs: list[dict]) -> dict[str, dict]:
     """rung -> the main grid's paired statistics and verdicts there (rungs where a mitigation arm ran)."""
     control = by_seed(runs, "fp32_control")
+    state = regime(control)
     out = {}
     for rung in sorted({r["rung"] for r in runs if r["arm"] in MITIGATIONS}):
         baseline = by_seed(runs, "baseline", rung)
-        arms = {arm: mitigation_verdicts(arm, by_seed(runs, arm, rung), baseline, control)
-                for arm in MITIGATIONS if by_seed(runs, arm, rung)}
+        base_minus_control = {s: baseline[s]["pass1_end"] - control[s]["pass1_end"]
+                              for s in sorted(set(baseline) & set(control))}
+        present = [arm for arm in MITIGATIONS if by_seed(runs, arm, rung)]
+        # the noise model: paired differences against the control, pooled over every arm at this rung
+        sd = paired_noise_sd([base_minus_control] + [
+            {s: by_seed(runs, a, rung)[s]["pass1_end"] - control[s]["pass1_end"]
+             for s in sorted(set(by_seed(runs, a, rung)) & set(control))} for a in present])
+        arms = {arm: mitigation_verdicts(arm, by_seed(runs, arm, rung), baseline, control, state["learns"], sd)
+                for arm in present}
         r3 = by_seed(runs, "r3", rung)
         out[rung] = {"baseline_seeds": sorted(baseline), "control_seeds": sorted(control), "arms": arms,
-                     "baseline_minus_control": {s: baseline[s]["pass1_end"] - control[s]["pass1_end"]
-                                                for s in sorted(set(baseline) & set(control))},
+                     "regime": state, "noise_sd": sd, "baseline_minus_control": base_minus_control,
                      "baseline_collapsed": sum(r.get("collapse_step") is not None for r in baseline.values()),
-                     "r3_reduces_mismatch": r3_reduces_mismatch(r3, baseline) if r3 and baseline else None}
+                     "r3_reduces_mismatch": r3_reduces_mismatch(r3, baseline, pre_collapse_ratios(r3, baseline))
+                     if r3 and baseline else None}
+    return out
+
+
+def pre_collapse_ratios(r3: dict[int, dict], baseline: dict[int, dict]) -> dict[int, float]:
+    """seed -> R3 / baseline median k3 over the steps before the baseline's collapse (seeds whose baseline
+    collapsed; registered rule ``r3_k3_pre_collapse``)."""
+    out = {}
+    for s in sorted(set(r3) & set(baseline)):
+        step = baseline[s].get("collapse_step")
+        if step is None:
+            continue
+        a = k3_median_before(read_metrics(Path(r3[s]["run_dir"]) / "metrics.jsonl"), step)
+        b = k3_median_before(read_metrics(Path(baseline[s]["run_dir"]) / "metrics.jsonl"), step)
+        if a is not None and b:
+            out[s] = a / b
     return out
 
 
@@ -193,14 +272,18 @@ def _interval(values: dict[int, float]) -> str:
 
 
 def _preregistered_note(arm: str, v: dict) -> str:
-    """The verdicts of an arm whose "acted on" measure was amended after the grid started, under the
-    measure committed before it (moerl.analysis.dose.ACTS_ON_PREREGISTERED)."""
+    """The verdicts of an arm under every rule as first written (moerl.analysis.dose.registered), where
+    they differ from the verdicts printed (amended rules, registered in analysis.yaml); '' otherwise."""
     pre = v["preregistered"]
-    return (f"{arm}: \"acted on\" is `{v['acted_measure']}` (amended after the grid started; see moerl.analysis.dose). "
-            f"Under the pre-registered measure `{pre['acted_measure']}` "
-            f"({', '.join(fmt(a) for a in pre['acted_frac']) or '—'} per seed) the verdicts read: helps "
-            f"{pre['helps']}, trains like the control {pre['like_control']}, prevents collapse "
-            f"{pre['prevents_collapse']}.")
+    kinds = ("helps", "like_control", "prevents_collapse")
+    if all(pre[k] == v[k] for k in kinds) and pre["acted_measure"] == v["acted_measure"]:
+        return ""
+    measure = (f" (\"acted on\" first measured as `{pre['acted_measure']}`: "
+               f"{', '.join(fmt(a) for a in pre['acted_frac']) or '—'} per seed)"
+               if pre["acted_measure"] != v["acted_measure"] else "")
+    return (f"{arm} under the rules as first written{measure}: helps {pre['helps']}, trains like the control "
+            f"(within {MATCH_MARGIN} either way) {pre['like_control']}, prevents collapse (counting all the baseline's "
+            f"seeds) {pre['prevents_collapse']}.")
 
 
 def _growths(values: dict[int, float | None]) -> str:
@@ -223,18 +306,62 @@ def grid_markdown(table: dict[str, dict]) -> str:
             kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
             lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
                          f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
-                         f"{_growths(v['k3_growth'])} | {v['helps']} | {v['like_control']} | {v['prevents_collapse']} |")
+                         f"{_growths(v['k3_growth'])} | {cell(v, 'helps', arm)} | {cell(v, 'like_control', arm)} | "
+                         f"{cell(v, 'prevents_collapse', arm)} |")
+        lines += ["", f"Regime (one gate for every verdict that needs a learning control): {g['regime']['status']}.",
+                  "", *power_table(rung, g)]
         for arm, v in g["arms"].items():
-            if "preregistered" in v:
-                lines += ["", _preregistered_note(arm, v)]
+            note = _preregistered_note(arm, v)
+            if note:
+                lines += ["", note]
         r3 = g["r3_reduces_mismatch"]
         if r3:
             ratios = ", ".join(f"{x:.2f}" for x in r3["k3_ratio"].values())
-            lines += ["", f"R3 / baseline run-median k3 per seed: {ratios} ({r3['k3']}); tokens keeping a gradient, "
+            whole = ", ".join(f"{x:.2f}" for x in r3["k3_ratio_whole_run"].values())
+            lines += ["", f"R3 / baseline median k3 per seed: {ratios}"
+                      + (f" (before the baseline's collapse step; over the whole runs {whole})" if r3["pre_collapse"] else "")
+                      + f" ({r3['k3']}); tokens keeping a gradient, "
                       f"R3 − baseline: {_interval(r3['effective_minus_baseline'])} ({r3['kept']}); "
-                      f"R3 reduces the mismatch without shrinking the sample set: **{r3['verdict']}**"]
+                      f"R3 reduces the mismatch without shrinking the sample set: **{r3['verdict']}**"
+                      + post_hoc("r3_reduces_mismatch")]
         lines.append("")
     return "\n".join(lines)
+
+
+def cell(v: dict, kind: str, arm: str) -> str:
+    """A verdict as a table prints it: the verdict; the ungated one where the regime gate made it 'not
+    tested'; the post-hoc label of any rule it uses that was set after the grid started."""
+    ungated = v.get("ungated", {}).get(kind)
+    return (f"{v[kind]}" + (f" (regime; ungated: {ungated})" if ungated and ungated != v[kind] else "")
+            + post_hoc(kind, arm))
+
+
+def _ci(p: dict) -> str:
+    if not p.get("interval"):
+        return "—"
+    mean, lo, hi = p["interval"]
+    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def power_table(rung: str, g: dict) -> list[str]:
+    """Each paired verdict with its 95 % t interval over seeds and its power under the noise model
+    (moerl.analysis.power): the registered every-seed rule's chance of saying yes when the truth is at the
+    comparison's margin, and the seeds the t rule would need for 80 %."""
+    sd = g.get("noise_sd")
+    head = (f"Interval and power (noise model at {rung}: paired sd of final pass@1 differences "
+            f"{fmt(sd)}, pooled over {len(g['arms']) + 1} arms' differences from the control; the evaluation alone "
+            f"contributes {power.binomial_sd(0.6, 1024) * 2 ** 0.5:.3f} (binomial, 1,024 completions, two evaluations)). "
+            "Power: P(the registered every-seed rule says yes) if the truth sat at the effect named; it falls as "
+            "seeds are added. Seeds for 80 %: under the one-sided t rule registered for the confirmatory grid.")
+    lines = [head, "", "| arm | verdict | compared | mean [95 % t interval] | effect assumed | power (every-seed rule) | "
+             "seeds for 80 % (t rule) |", "|---|---|---|---|---|---|---|"]
+    for arm, v in g["arms"].items():
+        for kind, what in (("helps", "− baseline > 0"), ("like_control", f"− control > −{MATCH_MARGIN}")):
+            pw = v["power"][kind]
+            lines.append(f"| {arm} | {kind.replace('_', ' ')}: {cell(v, kind, arm)} | {what} | {_ci(pw)} | "
+                         f"{pw['effect']:+.3f} | {fmt(pw.get('power_every_seed'), '.2f')} ({pw['n']} seeds) | "
+                         f"{pw.get('seeds_for_80') or '—'} |")
+    return lines
 
 
 def masking_claim(runs: list[dict], rung: str):
@@ -279,6 +406,13 @@ def masking_trend_caveat(metrics, verdict: str) -> str:
     return ""
 
 
+def beside(v: dict, kind: str) -> str:
+    """What a claim's verdict is printed with: its 95 % t interval and the every-seed rule's power."""
+    pw = v["power"][kind]
+    return (f"({_ci(pw)}, 95 % t; power {fmt(pw.get('power_every_seed'), '.2f')} at {pw['n']} seeds, "
+            f"{pw.get('seeds_for_80') or '—'} seeds for 80 %)")
+
+
 def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
     """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.analysis.dose, moerl.analysis.verdicts)."""
     controls = [r for r in runs if r["arm"] == "fp32_control" and r["steps"] == r["steps_planned"]]
@@ -299,21 +433,24 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
         collapse = ("yes", f"the uncorrected run collapses from rung {found} (step {ladder[found]['collapse_step']}) "
                     "while the control learns")
     lines = ["| claim | source | moerl | verdict |", "|---|---|---|---|",
-             f"| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | {collapse[1]} | **{collapse[0]}** |"]
+             f"| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | {collapse[1]} | **{collapse[0]}**"
+             f"{post_hoc('threshold', grid='ladder')} |"]
     for rung, g in table.items():
         r3, tis = g["arms"].get("r3"), g["arms"].get("tis")
         if r3:
             lines.append(f"| R3 keeps GRPO training like the mismatch-free run (rung {rung}) | R3 paper | "
                          f"final pass@1 − control {_interval(r3['minus_control'])}, − baseline "
                          f"{_interval(r3['minus_baseline'])}; collapsed {r3['collapsed']} of {len(r3['seeds'])} "
-                         f"(baseline {g['baseline_collapsed']}) | **{r3['like_control']}** (helps: {r3['helps']}; "
-                         f"prevents collapse: {r3['prevents_collapse']}){_provisional(r3)} |")
+                         f"(baseline {g['baseline_collapsed']}) | **{cell(r3, 'like_control', 'r3')}** "
+                         f"{beside(r3, 'like_control')} (helps: {cell(r3, 'helps', 'r3')} {beside(r3, 'helps')}; "
+                         f"prevents collapse: {cell(r3, 'prevents_collapse', 'r3')}){_provisional(r3)} |")
         if g.get("r3_reduces_mismatch"):
             m = g["r3_reduces_mismatch"]
             ratios = ", ".join(f"{x:.2f}" for x in m["k3_ratio"].values())
             lines.append(f"| R3 reduces the mismatch without shrinking the effective sample set (rung {rung}) | "
                          f"Mind Lab R3 blog | R3 / baseline k3 per seed {ratios}; tokens keeping a gradient R3 − "
                          f"baseline {_interval(m['effective_minus_baseline'])} | **{m['verdict']}**"
+                         f"{post_hoc('r3_reduces_mismatch')}"
                          f"{_provisional({'seeds': list(m['k3_ratio'])})} |")
         if tis:
             pre = tis.get("preregistered")
@@ -322,24 +459,71 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
             lines.append(f"| token TIS (cap 2) lets a low-precision rollout train like a full-precision one (rung "
                          f"{rung}) | FlashRL (Liu, Yao et al., 2025) | final pass@1 − fp32 control "
                          f"{_interval(tis['minus_control'])}; share of tokens with ρ outside [1/2, 2] per seed "
-                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{tis['like_control']}**{pre_note}"
+                         f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{cell(tis, 'like_control', 'tis')}** "
+                         f"{beside(tis, 'like_control')}{pre_note}"
                          f"{_provisional(tis)} |")
         if tis:
             lines.append(f"| TIS does not stop the drift (rung {rung}) | Mind Lab R3 blog | k3 late / early "
                          f"{EARLY_LATE_WINDOW} steps per seed: baseline {_growths(tis['baseline_k3_growth'])}, TIS "
                          f"{_growths(tis['k3_growth'])} | **{tis['keeps_drifting']}** (experiment 05's rule, applied "
                          f"after these runs were read: yes when TIS's k3 grows > {DRIFT_GROWTH}× in every seed, no in "
-                         f"none){_provisional(tis)} |")
+                         f"none){post_hoc('keeps_drifting')}{_provisional(tis)} |")
         found_masking = masking_claim(runs, rung)
         if found_masking is not None:
             masking, caveat = found_masking
             lines.append(f"| {masking.claim} (rung {rung}) | {masking.source} | {masking.repo} | **{masking.verdict}** "
                          f"(experiment 05's rule, `moerl.analysis.claims.claim_masking`, applied after these runs were read: "
-                         f"{masking.rule}){caveat} |")
+                         f"{masking.rule}){caveat}{post_hoc('masking')} |")
     if not table:
         lines.append("| R3, TIS, MIS, IcePop move the threshold | R3 paper, Mind Lab, FlashRL, IcePop, MIS | main grid "
                      "not run yet | **not tested** |")
     return "\n".join(lines) + "\n"
+
+
+def registration_markdown() -> str:
+    """The registered rules of the grids that have run: when each was first written, every amendment, and
+    whether the value the verdicts use was set before the grid's first run (moerl.analysis.registration)."""
+    reg = registration()
+    return "\n".join(["", f"Registered analysis (`experiments/{EXPERIMENT}/analysis.yaml`, sha256 {reg.sha256[:12]}): "
+                       "each rule of a grid that has run, the commit that first wrote it, its amendments, and whether "
+                       "the value used was set before the grid's first run (post hoc otherwise):", "",
+                       *reg.timeline(started_only=True), ""])
+
+
+def power_plan(table: dict[str, dict]) -> str:
+    """The confirmatory grid's seeds and evaluation size from the noise model of the recorded fp8 grid:
+    the seeds each registered comparison needs for 80 % power under the t rule, against those registered."""
+    g = table.get("fp8")
+    if not g or not g.get("noise_sd"):
+        return ""
+    sd, n_eval = g["noise_sd"], REGISTERED["grids"]["main"]["eval_completions"]
+    p = 0.6  # final pass@1 of the fp8 arms, about
+    eval_now = power.binomial_sd(p, n_eval) * 2 ** 0.5
+    seed_part = max(sd ** 2 - eval_now ** 2, 0.0) ** 0.5
+    plan = REGISTERED["grids"]["confirmatory_fp8"]
+    eval_new = power.binomial_sd(p, plan["eval_completions"]) * 2 ** 0.5
+    sd_new = (seed_part ** 2 + eval_new ** 2) ** 0.5
+    df = 3 * (len(g["arms"]) + 1) - (len(g["arms"]) + 1)
+    from scipy import stats
+
+    sd_up = sd_new * (df / stats.chi2.ppf(0.2, df)) ** 0.5  # upper 80 % confidence bound of the sd
+    helps = registered("helps_t")
+    margin = registered("like_control_t")["margin"]
+    rows = []
+    for name, effect, thr in (("trains like the control", 0.0, -margin),
+                              ("helps", helps["smallest_effect"], helps["threshold"])):
+        rows.append(f"| {name} | {effect:+.3f} | {thr:+.3f} | {power.seeds_needed(effect, thr, sd_new)} | "
+                    f"{power.seeds_needed(effect, thr, sd_up)} | {len(plan['seeds'])} | "
+                    f"{power.power_t(effect, thr, sd_up, len(plan['seeds'])):.2f} |")
+    need = power.completions_for(margin, p)
+    return "\n".join([
+        "", "Power plan for the confirmatory fp8 grid (registered in analysis.yaml before its first run):",
+        f"the recorded fp8 grid's paired sd {sd:.4f} splits into evaluation noise {eval_now:.4f} (binomial, "
+        f"{n_eval} completions, two evaluations) and seed-to-seed spread {seed_part:.4f}; at the registered "
+        f"{plan['eval_completions']} completions (evaluation noise {eval_new:.4f} < {margin / 3:.4f}, a third of the "
+        f"margin; {need} would do) the paired sd is {sd_new:.4f}, {sd_up:.4f} at its upper 80 % bound ({df} df).", "",
+        "| comparison | true effect assumed | threshold | seeds for 80 % (sd) | seeds for 80 % (upper sd) | "
+        "seeds registered | power registered (upper sd) |", "|---|---|---|---|---|---|---|", *rows, ""])
 
 
 def figure(runs: list[dict], path: Path) -> None:
@@ -501,11 +685,13 @@ def main() -> None:
         sys.exit(f"report: {err}")
     if not runs:
         sys.exit(f"report: no runs of {EXPERIMENT} under {args.runs} (run experiments/07_dose_threshold/launch.sh pilot)")
+    registration(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = grid(runs)
     shifts = thresholds(runs, table)
-    text = markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
+    text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
+            + power_plan(table) + registration_markdown())
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
                                                 default=str) + "\n")

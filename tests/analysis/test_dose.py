@@ -99,9 +99,68 @@ def test_tis_verdicts_under_the_amended_and_the_preregistered_acted_on_rule():
     pre = v["preregistered"]
     assert pre["acted_measure"] == "is/truncated_frac" and pre["acted_frac"] == [0.002] * 3
     assert pre["acted"] is False and pre["helps"] == pre["like_control"] == pre["prevents_collapse"] == "not tested"
-    # Arms whose rule was not amended carry no second set of verdicts.
+    # R3's measure was not amended: the same measure under the rules as first written.
     r3 = mitigation_verdicts("r3", summaries([0.6] * 3, key="routing/any_layer_differs", acts=0.3), baseline, control)
-    assert "preregistered" not in r3
+    assert r3["preregistered"]["acted_measure"] == r3["acted_measure"] == "routing/any_layer_differs"
+
+
+def test_trains_like_the_control_as_first_written_is_two_sided():
+    from moerl.analysis.dose import mitigation_verdicts, registered
+
+    assert registered("match_margin") == {"margin": 0.05, "sided": "below"}
+    assert registered("match_margin", first_written=True) == {"margin": 0.05, "sided": "two"}
+    control = summaries([0.60, 0.60, 0.60])
+    baseline = summaries([0.50, 0.50, 0.50])
+    # one seed ends 0.056 above the control: "at most 0.05 below" says yes, "within 0.05" cannot
+    v = mitigation_verdicts("r3_tis", summaries([0.602, 0.627, 0.656], key="routing/any_layer_differs", acts=0.3),
+                            baseline, control)
+    assert v["like_control"] == "yes" and v["preregistered"]["like_control"] == "inconclusive"
+
+
+def test_the_regime_gate_turns_control_verdicts_into_not_tested_and_keeps_the_rest():
+    from moerl.analysis.dose import mitigation_verdicts, regime
+
+    control = summaries([0.66, 0.67, 0.65])
+    for seed, gain in zip(control, (0.106, 0.105, 0.0986)):
+        control[seed].update(pass1_start=0.546, pass1_end=0.546 + gain, steps=300, steps_planned=300)
+    state = regime(control)
+    assert not state["learns"] and state["learned"] == [0, 1] and "2 of 3" in state["status"]
+    baseline = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
+    v = mitigation_verdicts("tis", summaries([0.64, 0.66, 0.62]), baseline, control, regime_ok=state["learns"])
+    assert v["like_control"] == v["prevents_collapse"] == "not tested" and v["helps"] == "yes"
+    assert v["ungated"] == {"like_control": "yes", "prevents_collapse": "yes"}
+    control[2]["pass1_end"] = 0.546 + 0.101
+    assert regime(control)["learns"]
+
+
+def test_power_and_interval_beside_each_paired_verdict():
+    from moerl.analysis.dose import mitigation_verdicts
+    from moerl.analysis.power import power_every_seed
+
+    control = summaries([0.60, 0.62, 0.61])
+    baseline = summaries([0.50, 0.52, 0.50])
+    v = mitigation_verdicts("tis", summaries([0.58, 0.61, 0.60]), baseline, control, noise_sd=0.025)
+    like = v["power"]["like_control"]
+    mean, lo, hi = like["interval"]
+    assert mean == pytest.approx(-0.0133, abs=1e-3) and lo < mean < hi
+    assert like["power_every_seed"] == pytest.approx(power_every_seed(0.0, -0.05, 0.025, 3))
+    assert like["seeds_for_80"] >= 2
+
+
+def test_k3_before_the_collapse_and_the_dose_order_uncertainty():
+    from moerl.analysis.dose import dose_order_uncertainty, k3_median_before
+
+    rows_ = [{"step": i, "mismatch/k3": 0.01 if i < 100 else 1.0} for i in range(1, 301)]
+    assert k3_median_before(rows_, 100) == pytest.approx(0.01) and k3_median_before(rows_, None) == 1.0
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = [{"step": i, "mismatch/k3": float(x)} for i, x in enumerate(rng.lognormal(0, 1, 300))]
+    b = [{"step": i, "mismatch/k3": float(x)} for i, x in enumerate(rng.lognormal(0.05, 1, 300))]
+    tied = dose_order_uncertainty(a, b)
+    assert tied["lo"] < 1 < tied["hi"] and not tied["resolved"]
+    far = [{"step": i, "mismatch/k3": float(x)} for i, x in enumerate(rng.lognormal(2, 1, 300))]
+    assert dose_order_uncertainty(a, far)["resolved"] and dose_order_uncertainty(a, far)["lo"] > 1
 
 
 def test_r3_reduces_mismatch_needs_both_halves():

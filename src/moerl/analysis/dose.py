@@ -25,47 +25,68 @@ moerl.analysis.verdicts' rules (:func:`mitigation_verdicts`):
   somewhere in the token's stack) or when the baseline did not fall behind the control in every paired
   seed (nothing to mitigate).
 
-One rule was amended after the grid started (``ACTS_ON_PREREGISTERED`` keeps the original, and the
-verdicts under it are reported beside the amended ones): TIS's "acted on" was its *truncated* share
-(ρ > C). Token TIS multiplies every token's gradient by min(ρ, C), so it acts as much on the tokens it
-scales down as on those it caps; the amended measure counts both tails symmetrically, ρ outside
-[1/C, C] (``is/below_frac`` + ``is/above_frac``, logged by every run since before the grid).
+Every threshold, margin, measure and gate is read from the registered analysis,
+``experiments/07_dose_threshold/analysis.yaml`` (moerl.analysis.registration), which also records when each
+was written and every amendment; the report labels a verdict under an amended rule post hoc and prints
+the verdict under the rule as first written beside it. Three rules were amended after the grid started:
+TIS's "acted on" measure (its *truncated* share ρ > C, widened to both tails, ρ outside [1/C, C]:
+token TIS scales down as many tokens as it caps), "prevents collapse" counted on the arm's own seeds,
+and "trains like the control" (written "within 0.05", two-sided; now "at most 0.05 below").
+
+**One gate.** A verdict that needs a learning control (the threshold, the collapse claim, "trains like
+the control", "prevents collapse") is gated by :func:`regime` — the fp32 control learns in every one of
+the registered number of seeds — in this one place; "helps" (arm against baseline), R3's mismatch claim
+and the drift and masking rules compare arms with each other and are not.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from moerl.analysis import power, registration
 from moerl.analysis.collapse import collapse_step
 from moerl.tracking import read_metrics
 from moerl.analysis.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
                             by_threshold, gate, keeps_drifting)
 
 EXPERIMENT = "07_dose_threshold"
+REGISTERED = registration.load(registration.analysis_path(EXPERIMENT))
+
+
+def registered(rule: str, first_written: bool = False):
+    """A rule's registered value (``first_written``: the value it had before its first amendment)."""
+    spec = REGISTERED["rules"][rule]
+    amendments = spec.get("amendments") or []
+    return amendments[0]["was"] if first_written and amendments else spec["value"]
+
+
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
-CONTROL_GAIN = 0.10  # held-out pass@1, end minus step 0
+CONTROL_GAIN = registered("control_gain")  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
-GRID_SEEDS = 3  # seeds per arm and rung in the main grid
+GRID_SEEDS = registered("regime_seeds")  # seeds per arm and rung in the main grid; the control learns in each
 # Where the 4-bit mismatch lives (moerl.rollout.precision): each 4-bit format on the routed experts only or on
 # attention only, and Kimi-K2-Thinking's INT4 routed experts; run by the baseline and R3.
-MECHANISM_RUNGS = ("nvfp4_experts", "nvfp4_attention", "int4_experts", "int4_attention", "int4_kimi")
+MECHANISM_RUNGS = tuple(REGISTERED["grids"]["mechanism"]["rungs"])
 # The trainer-side mitigation of the Kimi rung: fake-quantised INT4 masters, alone, with R3, with TIS.
-QAT_ARMS = ("qat_int4", "qat_int4_r3", "qat_int4_tis")
+QAT_ARMS = tuple(a for a in REGISTERED["grids"]["mechanism"]["arms"] if a.startswith("qat_"))
 MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis", *QAT_ARMS)  # the grid's arms besides baseline and control
-# What each mitigation acts on, per run (run mean of a per-step share of response tokens), as committed
-# before the grid: TIS truncates weights, MIS / IcePop zero them, R3 replaces the trainer's experts where
-# they differ from the rollout's. TIS's measure was amended since (module docstring).
-ACTS_ON_PREREGISTERED = {"tis": "is/truncated_frac", "mis": "mask/token_frac", "icepop": "mask/token_frac",
-                         "r3": "routing/any_layer_differs", "r3_tis": "routing/any_layer_differs"}
 # TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).
 TIS_REWEIGHTED = "is/outside_band_frac"
-ACTS_ON = {**ACTS_ON_PREREGISTERED, "tis": TIS_REWEIGHTED,
-           # the fake-quantised trainer acts on every weight, not on a share of tokens: no floor applies to it
-           "qat_int4_r3": "routing/any_layer_differs", "qat_int4_tis": TIS_REWEIGHTED}
-MATCH_MARGIN = 0.05  # "trains like the control": final pass@1 at most 0.05 below it (half the control's required gain)
+# What each mitigation acts on, per run (run mean of a per-step share of response tokens): the registered
+# measure, and the one first written before the grid (TIS's truncated share). The fake-quantised trainer
+# acts on every weight, not on a share of tokens: no floor applies to it alone; with TIS, TIS's tail counts.
+_QAT_ACTS_ON = {"qat_int4_tis": TIS_REWEIGHTED}
+ACTS_ON = {**registered("acts_on_measure"), **_QAT_ACTS_ON}
+ACTS_ON_PREREGISTERED = {**registered("acts_on_measure", first_written=True), **_QAT_ACTS_ON}
+ACTS_ON_FLOOR = registered("acts_on_floor")
+MATCH_MARGIN = registered("match_margin")["margin"]  # "trains like the control": at most this far below it
+MATCH_SIDED_FIRST = registered("match_margin", first_written=True)["sided"]  # "two": within the margin either way
+# The verdicts that need a learning control (moerl.analysis.dose.regime gates them, here only).
+REGIME_GATED = ("threshold", "collapses", "like_control", "prevents_collapse")
 
 
 def _values(rows: list[dict], key: str) -> np.ndarray:
@@ -144,7 +165,9 @@ def load_runs(root: str | Path) -> list[dict]:
             setup = (f"{model.get('preset', '?')} {model.get('num_layers', '?')} x {model.get('num_experts', '?')} "
                      f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
                      f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
+            recorded = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
             runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
+                         "registration": recorded.get("registration"),
                          "steps_planned": cfg["trainer"]["steps"], "setup": setup, "run_dir": str(run), **summary})
     return runs
 
@@ -162,9 +185,10 @@ def mismatch_order(baselines: dict[str, dict]) -> list[str]:
     return (["fp32"] if "fp32" in baselines else []) + rest
 
 
-def threshold(baselines: dict[str, dict], control: dict) -> str | None:
-    """The lowest rung, in mismatch order, where the uncorrected run collapses while the control learns."""
-    if not control_learns(control):
+def threshold(baselines: dict[str, dict], control: dict, regime_ok: bool | None = None) -> str | None:
+    """The lowest rung, in mismatch order, where the uncorrected run collapses while the control learns
+    (``regime_ok`` False: the regime gate failed, no threshold can be read)."""
+    if regime_ok is False or not control_learns(control):
         return None
     for rung in mismatch_order(baselines):
         if rung != "fp32" and baselines[rung].get("collapse_step") is not None:
@@ -194,52 +218,131 @@ def _acted(arm: str, runs: dict[int, dict], rule: dict[str, str]) -> tuple[list[
         return [], None
     fracs = [r["acts_on"].get(rule[arm]) for r in runs.values() if "acts_on" in r]
     fracs = [f for f in fracs if f is not None]
-    return fracs, acts_on(fracs)
+    return fracs, acts_on(fracs, ACTS_ON_FLOOR)
+
+
+def regime(controls: dict[int, dict]) -> dict:
+    """The one regime gate (REGIME_GATED verdicts need it): the fp32 control learns (moerl.analysis.dose.
+    control_learns) in every one of its finished seeds, and at least GRID_SEEDS of them finished."""
+    finished = {s: r for s, r in controls.items() if r.get("steps") == r.get("steps_planned", r.get("steps"))}
+    learned = sorted(s for s, r in finished.items() if control_learns(r))
+    ok = len(finished) >= GRID_SEEDS and len(learned) == len(finished)
+    gains = _gain(finished)
+    return {"learns": ok, "learned": learned, "seeds": sorted(finished), "gains": gains,
+            "status": (f"the control learns (≥ +{CONTROL_GAIN:.2f} held-out pass@1 in {len(learned)} of "
+                       f"{len(finished)} seeds)" if ok else
+                       f"not met: the fp32 control learned (≥ +{CONTROL_GAIN:.2f}) in {len(learned)} of "
+                       f"{len(finished)} finished seeds; {max(GRID_SEEDS, len(finished))} of "
+                       f"{max(GRID_SEEDS, len(finished))} are needed")}
+
+
+def comparison_power(values: dict[int, float], threshold: float, effect: float, sd: float | None) -> dict:
+    """Beside a paired verdict: the mean with its 95 % t interval over seeds, and, from the noise model's
+    paired sd, the power of the registered every-seed rule at ``effect`` and the seeds the t rule needs
+    for 80 % power (moerl.analysis.power)."""
+    interval = power.t_interval(values.values())
+    out = {"interval": interval, "n": len(values), "threshold": threshold, "effect": effect}
+    if sd and np.isfinite(sd) and values:
+        out.update(sd=sd, power_every_seed=power.power_every_seed(effect, threshold, sd, len(values)),
+                   seeds_for_80=power.seeds_needed(effect, threshold, sd))
+    return out
 
 
 def mitigation_verdicts(arm: str, runs: dict[int, dict], baseline: dict[int, dict],
-                        control: dict[int, dict]) -> dict:
+                        control: dict[int, dict], regime_ok: bool | None = None, noise_sd: float | None = None) -> dict:
     """One mitigation arm at one rung (each argument: seed -> run_summary): its paired statistics and
-    verdicts by the rules in the module docstring. Where an arm's "acted on" rule was amended, the
-    verdicts under the pre-registered rule come along under ``preregistered``."""
+    verdicts by the registered rules (module docstring). ``regime_ok`` (:func:`regime`; None: not
+    applied) gates the verdicts that need a learning control; their ungated values come along under
+    ``ungated``. The verdicts under every rule as first written come along under ``preregistered``;
+    ``power`` holds each paired verdict's interval and power (``noise_sd``: the rung's paired sd)."""
     over_baseline = _paired(runs, baseline, "pass1_end")
     over_control = _paired(runs, control, "pass1_end")
     # Nothing to mitigate unless the baseline fell behind the control (lower gain) in every paired seed.
     effect = beyond_control(_gain(baseline), _gain(control), worse="lower")
     collapsed = [s for s, r in runs.items() if r.get("collapse_step") is not None]
-    # paired: the baseline's collapses on the seeds this arm has finished
-    base_collapsed = [s for s, r in baseline.items() if r.get("collapse_step") is not None and s in runs]
-    if not base_collapsed:
-        prevents = NOT_TESTED
-    elif not collapsed:
-        prevents = YES
-    else:
-        prevents = NO if len(collapsed) >= len(base_collapsed) else PARTLY
 
-    def verdicts(rule: dict[str, str]) -> dict:
-        fracs, acted = _acted(arm, runs, rule)
-        return {"acted_measure": rule.get(arm), "acted_frac": fracs, "acted": acted,
-                "helps": gate(by_threshold(over_baseline.values(), 0.0), acted, effect),
-                "like_control": gate(by_threshold(over_control.values(), -MATCH_MARGIN), acted, effect),
-                "prevents_collapse": gate(prevents, acted, effect)}
+    def prevents(own_seeds_only: bool) -> str:
+        base_collapsed = [s for s, r in baseline.items() if r.get("collapse_step") is not None
+                          and (s in runs or not own_seeds_only)]
+        if not base_collapsed:
+            return NOT_TESTED
+        if not collapsed:
+            return YES
+        return NO if len(collapsed) >= len(base_collapsed) else PARTLY
 
+    def like_control(sided: str) -> str:
+        if sided == "two":  # "within the margin of the control's", either way
+            return by_threshold([abs(d) for d in over_control.values()], MATCH_MARGIN, above=NO, below=YES)
+        return by_threshold(over_control.values(), -MATCH_MARGIN)
+
+    def verdicts(measures: dict[str, str], sided: str, own_seeds_only: bool) -> dict:
+        fracs, acted = _acted(arm, runs, measures)
+        return {"acted_measure": measures.get(arm), "acted_frac": fracs, "acted": acted,
+                "helps": gate(by_threshold(over_baseline.values(), registered("helps_threshold")), acted, effect),
+                "like_control": gate(like_control(sided), acted, effect),
+                "prevents_collapse": gate(prevents(own_seeds_only), acted, effect)}
+
+    def regime_gated(v: dict) -> dict:
+        if regime_ok is False:
+            return {**v, "ungated": {k: v[k] for k in REGIME_GATED if k in v},
+                    **{k: NOT_TESTED for k in REGIME_GATED if k in v}}
+        return v
+
+    current = regime_gated(verdicts(ACTS_ON, registered("match_margin")["sided"], own_seeds_only=True))
+    first = regime_gated(verdicts(ACTS_ON_PREREGISTERED, MATCH_SIDED_FIRST, own_seeds_only=False))
     out = {
         "arm": arm, "seeds": sorted(runs),
         "collapsed": len(collapsed), "collapse_steps": [runs[s]["collapse_step"] for s in collapsed],
         "pass1_end": {s: r.get("pass1_end") for s, r in runs.items()},
         "minus_baseline": over_baseline, "minus_control": over_control,
         "effective_token_frac": {s: r.get("effective_token_frac") for s, r in runs.items()},
-        "baseline_behind_control": effect, **verdicts(ACTS_ON),
+        "baseline_behind_control": effect, "regime": regime_ok, **current,
         "k3_growth": {s: r.get("k3_growth") for s, r in runs.items()},
         "baseline_k3_growth": {s: r.get("k3_growth") for s, r in baseline.items()},
+        "power": {"helps": comparison_power(over_baseline, registered("helps_threshold"),
+                                            registered("helps_t")["smallest_effect"], noise_sd),
+                  "like_control": comparison_power(over_control, -MATCH_MARGIN, 0.0, noise_sd)},
+        "preregistered": first,
     }
     # Mind Lab's "does not stop the drift", by experiment 05's rule (applied here after the runs were read).
     out["keeps_drifting"] = keeps_drifting([g for g in out["k3_growth"].values() if g is not None],
                                            [g for g in out["baseline_k3_growth"].values() if g is not None],
                                            acted=out["acted"])
-    if ACTS_ON.get(arm) != ACTS_ON_PREREGISTERED.get(arm):
-        out["preregistered"] = verdicts(ACTS_ON_PREREGISTERED)
     return out
+
+
+def paired_noise_sd(groups: list[dict[int, float]]) -> float | None:
+    """The noise model's paired sd at one rung: the spread of paired differences (arm − control, seed by
+    seed), pooled over the arms, each centred on its own mean (moerl.analysis.power.pooled_sd)."""
+    sd, df = power.pooled_sd([list(g.values()) for g in groups])
+    return sd if df else None
+
+
+def k3_median_before(rows: list[dict], step: int | None) -> float | None:
+    """Median per-step k3 of a run over its steps before ``step`` (all steps when None)."""
+    k3 = [r["mismatch/k3"] for r in rows if isinstance(r.get("mismatch/k3"), (int, float))
+          and (step is None or r["step"] < step)]
+    return float(np.median(k3)) if k3 else None
+
+
+def dose_order_uncertainty(rows_a: list[dict], rows_b: list[dict], block: int = 25, draws: int = 2000,
+                           seed: int = 0) -> dict:
+    """How sure the ladder is that rung b gives more mismatch than rung a (one seed each): the ratio of
+    their run-median k3 with a 95 % moving-block bootstrap interval over steps (blocks of ``block`` steps
+    keep the per-step k3's autocorrelation)."""
+    a = np.array([r["mismatch/k3"] for r in rows_a if isinstance(r.get("mismatch/k3"), (int, float))])
+    b = np.array([r["mismatch/k3"] for r in rows_b if isinstance(r.get("mismatch/k3"), (int, float))])
+    rng = np.random.default_rng(seed)
+
+    def resample(x):
+        starts = rng.integers(0, len(x) - block + 1, size=(draws, -(-len(x) // block)))
+        idx = (starts[..., None] + np.arange(block)).reshape(draws, -1)[:, : len(x)]
+        return np.median(x[idx], axis=1)
+
+    ratio = resample(b) / resample(a)
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    return {"ratio": float(np.median(b) / np.median(a)), "lo": float(lo), "hi": float(hi),
+            "resolved": bool(lo > 1 or hi < 1)}
 
 
 def arm_threshold(collapsed: dict[str, tuple[int, int]], order: list[str]) -> dict:
@@ -273,16 +376,23 @@ def threshold_shift(arm: dict, baseline: dict, order: list[str]) -> str:
     return "unchanged" if arm["rung"] == baseline["rung"] else f"raised to {arm['rung']}"
 
 
-def r3_reduces_mismatch(r3: dict[int, dict], baseline: dict[int, dict]) -> dict:
+def r3_reduces_mismatch(r3: dict[int, dict], baseline: dict[int, dict], pre_collapse: dict[int, float] | None = None
+                        ) -> dict:
     """Mind Lab's claim, paired: R3's run-median k3 over the baseline's below 1 in every seed, and its
-    share of tokens keeping a gradient not below the baseline's by more than 0.01 in any seed."""
+    share of tokens keeping a gradient not below the baseline's by more than 0.01 in any seed.
+    ``pre_collapse`` (seed -> R3 / baseline median k3 over the steps before the baseline's collapse step,
+    :func:`k3_median_before`): a baseline that collapsed inflates its own run median, so where it did the
+    k3 half is judged on the steps before its collapse."""
     ratio = {s: r3[s]["k3_median"] / baseline[s]["k3_median"] for s in sorted(set(r3) & set(baseline))
              if r3[s].get("k3_median") is not None and baseline[s].get("k3_median")}
+    whole_run = dict(ratio)
+    if pre_collapse:
+        ratio = {s: pre_collapse.get(s, v) for s, v in ratio.items()}
     kept = _paired(r3, baseline, "effective_token_frac")
     k3_verdict = by_threshold(ratio.values(), 1.0, above=NO, below=YES)
     kept_verdict = by_threshold(kept.values(), -0.01)
     both = (YES if k3_verdict == YES and kept_verdict == YES else
             NO if NO in (k3_verdict, kept_verdict) else
             INCONCLUSIVE if INCONCLUSIVE in (k3_verdict, kept_verdict) else NOT_TESTED)
-    return {"k3_ratio": ratio, "effective_minus_baseline": kept, "k3": k3_verdict, "kept": kept_verdict,
-            "verdict": both}
+    return {"k3_ratio": ratio, "k3_ratio_whole_run": whole_run, "pre_collapse": bool(pre_collapse),
+            "effective_minus_baseline": kept, "k3": k3_verdict, "kept": kept_verdict, "verdict": both}

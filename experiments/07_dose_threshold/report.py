@@ -57,10 +57,11 @@ def registration(runs: list[dict] | None = None) -> Registration:
     return _REGISTRATION[0]
 
 
-def post_hoc(kind: str, arm: str | None = None, grid: str = "main") -> str:
+def post_hoc(kind: str, arm: str | None = None, grid: str = "main", gate_fired: bool = True) -> str:
     """' — post hoc: <rule> (<commit>), ...' for a verdict of ``kind`` computed under a rule set after the
-    grid started ('' when every rule it uses was registered in time)."""
-    rules = list(RULES_OF[kind])
+    grid started ('' when every rule it uses was registered in time). A regime gate that passed changed
+    nothing (``gate_fired`` False): its own registration is then not counted."""
+    rules = [r for r in RULES_OF[kind] if gate_fired or r != "regime_gate"]
     if arm and kind in ("helps", "like_control", "prevents_collapse") and ACTS_ON.get(arm) != ACTS_ON_PREREGISTERED.get(arm):
         rules.append("acts_on_measure")
     late = [st for st in (registration().status(r, grid) for r in rules) if st.post_hoc]
@@ -111,7 +112,7 @@ def markdown(runs: list[dict]) -> str:
     lines.append("Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control "
                  f"learns): **{verdict}**" + ("" if finished else " — the ladder is not complete yet")
                  + ("" if state["learns"] else f" (regime: {state['status']}; seed 0 alone, ungated: {ungated or 'none'})")
-                 + post_hoc("threshold", grid="ladder"))
+                 + post_hoc("threshold", grid="ladder", gate_fired=not state["learns"]))
     order = dose_order(ladder)
     if order:
         lines.append(order)
@@ -333,7 +334,7 @@ def cell(v: dict, kind: str, arm: str) -> str:
     tested'; the post-hoc label of any rule it uses that was set after the grid started."""
     ungated = v.get("ungated", {}).get(kind)
     return (f"{v[kind]}" + (f" (regime; ungated: {ungated})" if ungated and ungated != v[kind] else "")
-            + post_hoc(kind, arm))
+            + post_hoc(kind, arm, gate_fired=v.get("regime") is False))
 
 
 def _ci(p: dict) -> str:
@@ -434,7 +435,7 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                     "while the control learns")
     lines = ["| claim | source | moerl | verdict |", "|---|---|---|---|",
              f"| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | {collapse[1]} | **{collapse[0]}**"
-             f"{post_hoc('threshold', grid='ladder')} |"]
+             f"{post_hoc('threshold', grid='ladder', gate_fired=not learns)} |"]
     for rung, g in table.items():
         r3, tis = g["arms"].get("r3"), g["arms"].get("tis")
         if r3:
@@ -515,6 +516,18 @@ def power_plan(table: dict[str, dict]) -> str:
         rows.append(f"| {name} | {effect:+.3f} | {thr:+.3f} | {power.seeds_needed(effect, thr, sd_new)} | "
                     f"{power.seeds_needed(effect, thr, sd_up)} | {len(plan['seeds'])} | "
                     f"{power.power_t(effect, thr, sd_up, len(plan['seeds'])):.2f} |")
+    gains = list(g["regime"]["gains"].values())
+    if len(gains) >= 2:  # the control's gain: measured spread, or its own evaluation noise where larger
+        rule = registered("regime_t")
+        mean_gain = sum(gains) / len(gains)
+        import numpy as np
+
+        sd_gain = max(float(np.std(gains, ddof=1)), power.binomial_sd(0.6, plan["eval_completions"]) * 2 ** 0.5)
+        n_ctl = len(REGISTERED["grids"]["confirmatory_control"]["seeds"])
+        rows.append(f"| the control learns (mean gain's lower bound > {rule['lower_bound_above']}) | {mean_gain:+.3f} | "
+                    f"{rule['lower_bound_above']:+.3f} | {power.seeds_needed(mean_gain, rule['lower_bound_above'], sd_gain)} | "
+                    f"{power.seeds_needed(mean_gain, rule['lower_bound_above'], sd_gain * 1.5)} (sd × 1.5) | {n_ctl} | "
+                    f"{power.power_t(mean_gain, rule['lower_bound_above'], sd_gain * 1.5, n_ctl):.2f} |")
     need = power.completions_for(margin, p)
     return "\n".join([
         "", "Power plan for the confirmatory fp8 grid (registered in analysis.yaml before its first run):",

@@ -187,7 +187,7 @@ def thresholds(runs: list[dict], table: dict[str, dict]) -> dict:
     order = [r for r in mismatch_order(ladder) if r in table] + sorted(r for r in table if r not in ladder)
     arms = ["baseline", *[a for a in MITIGATIONS if any(a in table[r]["arms"] for r in order)]]
     control = by_seed(runs, "fp32_control")
-    out = {"rungs": order, "arms": {},
+    out = {"rungs": order, "arms": {}, "regime": regime(control)["learns"],
            "control": (sum(r.get("collapse_step") is not None for r in control.values()), len(control))}
     for arm in arms:
         seeds = {rung: by_seed(runs, arm, rung) for rung in order}
@@ -254,7 +254,10 @@ def thresholds_figure(t: dict, path: Path) -> None:
     ax.set_xticks(range(len(rungs)), [f"rollout {r}" for r in rungs])
     ax.set_xlabel("main-grid rung, ordered by measured mismatch")
     ax.set_title(f"Experiment 07: at which rung does each arm collapse?\n(threshold: lowest rung with a collapsed "
-                 f"seed; fp32 control: {t['control'][0]}/{t['control'][1]} collapsed)", fontsize=10)
+                 f"seed; fp32 control: {t['control'][0]}/{t['control'][1]} collapsed)"
+                 + ("" if t.get("regime", True) else "\nregime not met (the control learned in fewer seeds than "
+                    "registered): thresholds shown ungated, their verdicts 'not tested'"),
+                 fontsize=10, color="k" if t.get("regime", True) else "tab:red")
     fig.tight_layout()
     save(fig, path)
 
@@ -335,6 +338,18 @@ def cell(v: dict, kind: str, arm: str) -> str:
     ungated = v.get("ungated", {}).get(kind)
     return (f"{v[kind]}" + (f" (regime; ungated: {ungated})" if ungated and ungated != v[kind] else "")
             + post_hoc(kind, arm, gate_fired=v.get("regime") is False))
+
+
+def figure_mark(v: dict, arm: str) -> str:
+    """A verdict's mark in a figure: provisional (fewer seeds than registered), gated by the regime, post hoc."""
+    marks = []
+    if len(v["seeds"]) < GRID_SEEDS:
+        marks.append("provisional")
+    if v.get("regime") is False:
+        marks.append(f"ungated: {v['ungated']['like_control']}")
+    if post_hoc("like_control", arm, gate_fired=v.get("regime") is False):
+        marks.append("post hoc")
+    return ("\n" + "\n".join(marks)) if marks else ""
 
 
 def _ci(p: dict) -> str:
@@ -596,7 +611,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
 
     if not table:
         return
-    fig, axes = plt.subplots(1, len(table), figsize=(max(8.0, 5.2 * len(table)), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(table), figsize=(max(8.0, 6.8 * len(table)), 4.8), sharey=True, squeeze=False)
     for ax, (rung, g) in zip(axes[0], table.items()):
         names = ["baseline"] + list(g["arms"])
         baseline = {s: r for s, r in g.get("baseline_minus_control", {}).items()}
@@ -609,13 +624,18 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
         ax.axhline(0, color="k", lw=0.6)
         ax.axhspan(-MATCH_MARGIN, 0, color="tab:gray", alpha=0.2, lw=0, label=f"at most {MATCH_MARGIN} below the control (trains like it)")
         counts = [len(baseline) if n == "baseline" else len(g["arms"][n]["minus_control"]) for n in names]
-        ax.set_xticks(range(len(names)), [f"{n}\n{c} seed(s)" for n, c in zip(names, counts)])
-        ax.set_title(f"rollout {rung}")
-        ax.legend(loc="lower right", fontsize=8)
+        # each arm's "trains like the control" verdict under its label, marked where the regime gate or a
+        # rule set after the grid started decides it
+        labels = [f"{n}\n{c} seed(s)" + ("" if n == "baseline" else
+                  f"\n{g['arms'][n]['like_control']}{figure_mark(g['arms'][n], n)}") for n, c in zip(names, counts)]
+        ax.set_xticks(range(len(names)), labels, fontsize=7)
+        provisional = "" if g["regime"]["learns"] else "\nregime not met: verdicts 'not tested' (see table)"
+        ax.set_title(f"rollout {rung}{provisional}", fontsize=9)
+    axes[0][0].legend(loc="lower right", fontsize=7)
     axes[0][0].set_ylabel("final held-out pass@1 − control's (same seed)")
     fig.suptitle("Experiment 07: which mitigation trains like the fp32 control?\n"
                  "each seed's final held-out pass@1 (fp32 evaluator) minus the control's of the same seed; dots: seeds, "
-                 "bar: mean", fontsize=10)
+                 "bar: mean; under each arm: its verdict, marked where gated, post hoc or provisional", fontsize=10)
     fig.tight_layout()
     save(fig, path)
 

@@ -147,3 +147,25 @@ def test_prediction_moves_the_anchor_along_the_fitted_slopes():
     assert out["share"] == pytest.approx(1 - (1 - out["p"]) ** 32)
     assert out["p_lo"] < out["p"] < out["p_hi"] and out["missing"] == []
     assert predict(anchor, {}, L=8, E=64, k=4, H=64)["missing"] == ["experts"]
+
+
+def test_extrapolation_interval_respects_the_fits_degrees_of_freedom():
+    """Slopes fitted on 3 points have 1 degree of freedom: their t interval is far wider than the z one;
+    with many points the two agree."""
+    import numpy as np
+    import pandas as pd
+
+    from moerl.analysis.geometry_report import predict
+    from moerl.analysis.routing_geometry import fit_loglinear
+
+    anchor = pd.Series({"p_mean": 0.02, "p_lo": 0.0199, "p_hi": 0.0201, "L": 8, "E": 32, "k": 4, "H": 64})
+    rng = np.random.default_rng(0)
+    x3 = np.array([64, 128, 256])
+    few = fit_loglinear(x3, 0.02 * (x3 / 64) ** -0.05 * np.exp(rng.normal(0, 0.05, 3)))
+    out = predict(anchor, {"width": few}, L=8, E=32, k=4, H=2048)
+    z_width, t_width = out["share_hi"] - out["share_lo"], out["share_hi_t"] - out["share_lo_t"]
+    assert t_width > 2 * z_width and 0 <= out["share_p94"] <= 1
+    x = np.geomspace(64, 256, 200)
+    many = fit_loglinear(x, 0.02 * (x / 64) ** -0.05 * np.exp(rng.normal(0, 0.05, 200)))
+    out = predict(anchor, {"width": many}, L=8, E=32, k=4, H=2048)
+    assert out["share_hi_t"] - out["share_lo_t"] == pytest.approx(out["share_hi"] - out["share_lo"], rel=0.1)

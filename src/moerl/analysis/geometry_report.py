@@ -13,6 +13,12 @@ depth ladder of SFT'd routers (8 / 16 / 48 MoE layers) and along the random-init
 in log p, each used slope's standard error times the distance moved and the ladder's residual scatter,
 and the anchor's bootstrap interval. It is a stated model, not a law: the width slope comes from
 hidden 64-256 and is applied at 2048-7168.
+
+Two intervals are given. The first (``*_lo`` / ``*_hi``) treats every slope's error as normal (z = 1.96);
+each slope is fitted on 3-5 points, so it has 1-3 degrees of freedom and that interval is too narrow. The
+second (``*_lo_t`` / ``*_hi_t``, the one the verdicts use) draws each slope and each ladder's residual
+scatter from a t distribution with its fit's n − 2 degrees of freedom (Monte Carlo, seeded), and gives
+the probability that the predicted share reaches the paper's 94 % (``share_p94``).
 """
 from __future__ import annotations
 
@@ -135,8 +141,32 @@ def predict(anchor: pd.Series, fitted: dict, L: int, E: int, k: int, H: int, z: 
     def share(q):
         return 1.0 - (1.0 - q) ** L
 
+    t_draws = _t_draws(anchor, fitted, L, E, k, H, z)
+    shares = share(np.minimum(np.exp(t_draws), 1.0))
+    lo_t, hi_t = np.percentile(shares, [2.5, 97.5])
     return {"p": p, "p_lo": lo, "p_hi": hi, "share": share(p), "share_lo": share(lo), "share_hi": share(hi),
+            "share_lo_t": float(lo_t), "share_hi_t": float(hi_t), "share_p94": float((shares >= PAPER_SHARE).mean()),
             "missing": missing}
+
+
+def _t_draws(anchor: pd.Series, fitted: dict, L: int, E: int, k: int, H: int, z: float, draws: int = 20000,
+             seed: int = 0) -> np.ndarray:
+    """Monte Carlo draws of the predicted log p: the anchor's error normal (a bootstrap over thousands of
+    tokens), each used slope and each ladder's residual scatter from t with the fit's n − 2 degrees of
+    freedom (at least 1)."""
+    rng = np.random.default_rng(seed)
+    log_p = np.full(draws, math.log(anchor.p_mean))
+    log_p += rng.standard_normal(draws) * (math.log(anchor.p_hi) - math.log(anchor.p_lo)) / (2 * z)
+    for name, col in FACTORS.items():
+        x, x0 = {"L": L, "E": E, "k": k, "H": H}[col], int(anchor[col])
+        if x == x0 or name not in fitted:
+            continue
+        f = fitted[name]
+        df = max(int(f.get("n", 3)) - 2, 1)
+        d = math.log(x) - math.log(x0)
+        slope = f["b"] + math.sqrt(np.asarray(f["cov"])[1, 1]) * rng.standard_t(df, draws)
+        log_p += slope * d + f["s"] * rng.standard_t(df, draws)
+    return log_p
 
 
 def cluster_geometries() -> dict[str, dict]:

@@ -95,6 +95,11 @@ def ladder_points() -> list[Point]:
     pts += [Point(f"state_qwen3_L{n}_warm400", ("state", "depth_sft"), qwen3(layers=n), state="warm",
                   warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
                   note=f"{n} MoE layers x 128, top-8, h64 after the same 400-step SFT") for n in (8, 16)]
+    # the width ladder with trained routers (the same 400-step SFT at hidden 128 and 256): the width slope's
+    # trained points; each SFT at 48 layers x 128 experts costs over 10 min on one thread at these widths
+    pts += [Point(f"state_qwen3_warm400_h{h}", ("state", "width_sft"), qwen3(hidden=h), state="warm",
+                  warm_start={"steps": 400, "batch_size": 32, "cache_dir": WARM_CACHE},
+                  note=f"48 MoE layers x 128, top-8, hidden {h} after the same 400-step SFT") for h in (128, 256)]
     pts += [Point(f"cluster_{g}", ("cluster",), geometry_model_config(g), dtypes=("bf16", "fp8"))
             for g in ("moonlight_16b_a3b", "deepseek_v3", "kimi_k2")]
     return pts

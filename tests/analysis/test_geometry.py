@@ -169,3 +169,18 @@ def test_extrapolation_interval_respects_the_fits_degrees_of_freedom():
     many = fit_loglinear(x, 0.02 * (x / 64) ** -0.05 * np.exp(rng.normal(0, 0.05, 200)))
     out = predict(anchor, {"width": many}, L=8, E=32, k=4, H=2048)
     assert out["share_hi_t"] - out["share_lo_t"] == pytest.approx(out["share_hi"] - out["share_lo"], rel=0.1)
+
+
+def test_trained_width_points_give_the_trained_anchors_their_width_slope():
+    import pandas as pd
+
+    from moerl.analysis.geometry_report import fits, sft_width
+
+    rows = [{"point": "state_qwen3_warm400", "rollout": "bf16", "ladders": ["state"], "H": 64, "p_mean": 0.043,
+             "state": "warm", "seed": 0, "family": "qwen3_moe", "L": 48, "E": 128, "k": 8},
+            {"point": "state_qwen3_warm400_h128", "rollout": "bf16", "ladders": ["state", "width_sft"], "H": 128,
+             "p_mean": 0.040, "state": "warm", "seed": 0, "family": "qwen3_moe", "L": 48, "E": 128, "k": 8}]
+    assert sft_width(pd.DataFrame(rows[:1])).empty  # no trained width point yet: no trained slope
+    df = pd.DataFrame(rows)
+    assert list(sft_width(df).H) == [64, 128]
+    assert fits(df)["width_sft"]["b"] < 0

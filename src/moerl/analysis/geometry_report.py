@@ -94,7 +94,17 @@ def fits(df: pd.DataFrame) -> dict:
     sel = sft_depth(df)
     if len(sel) >= 2:
         out["depth_sft"] = fit_loglinear(sel["L"].to_numpy(), sel["p_mean"].to_numpy())
+    sel = sft_width(df)
+    if len(sel) >= 2:
+        out["width_sft"] = fit_loglinear(sel["H"].to_numpy(), sel["p_mean"].to_numpy())
     return out
+
+
+def sft_width(df: pd.DataFrame) -> pd.DataFrame:
+    """The width ladder with trained routers: the 400-step SFT points at hidden 128 / 256 and the base's (64)."""
+    sel = df[(df.rollout == "bf16") & (df.ladders.apply(lambda ls: "width_sft" in ls)
+                                       | (df.point == "state_qwen3_warm400"))]
+    return sel.sort_values("H") if sel.ladders.apply(lambda ls: "width_sft" in ls).any() else sel.iloc[:0]
 
 
 def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | None:
@@ -198,6 +208,8 @@ def predictions(df: pd.DataFrame) -> pd.DataFrame:
             slopes = dict(fitted)
             if anchor != "random" and "depth_sft" in fitted:  # trained routers move along the trained depth slope
                 slopes["depth"] = fitted["depth_sft"]
+            if anchor != "random" and "width_sft" in fitted:  # and along the trained width slope, once measured
+                slopes["width"] = fitted["width_sft"]
             for tag, H in (("cpu", 64), ("real", g["H"])):
                 pr = predict(a, slopes, g["L"], g["E"], g["k"], H)
                 row.update({f"{anchor}_{tag}_{k}": v for k, v in pr.items() if k != "missing"})

@@ -363,10 +363,28 @@ def evaluate_claims(metrics: pd.DataFrame, runs: pd.DataFrame) -> list[Claim]:
     return [claim(metrics, runs) for claim in CLAIMS]
 
 
+# The registered rules every claim's verdict is computed under (experiments/05_mismatch_consequences/analysis.yaml).
+CLAIM_RULES = ("claim_thresholds", "verdict_gates")
+
+
+def registration_status(rules: tuple[str, ...] = CLAIM_RULES) -> str:
+    """'pre-registered', or 'post hoc: <rule> (<commit>), ...' for the rules set after the main grid's first
+    run started (moerl.analysis.registration, from the file's git history and the recorded start)."""
+    from moerl.analysis.registration import Registration, analysis_path
+
+    reg = Registration(analysis_path(EXPERIMENT))
+    late = [st for st in (reg.status(r, "main") for r in rules) if st.post_hoc]
+    return "pre-registered" if not late else "post hoc: " + ", ".join(f"{st.rule} ({st.set_by})" for st in late)
+
+
 def claims_markdown(claims: list[Claim]) -> str:
-    lines = ["| claim | source | source's value | this repo (CPU scale) | reproduced | rule |", "|---|---|---|---|---|---|"]
+    status = registration_status()
+    collapse = registration_status(CLAIM_RULES + ("collapse",))
+    lines = ["| claim | source | source's value | this repo (CPU scale) | reproduced | rule | registration |",
+             "|---|---|---|---|---|---|---|"]
     for c in claims:
-        lines.append(f"| {c.claim} | {c.source} | {c.paper} | {c.repo} | **{c.verdict}** | {c.rule} |")
+        label = collapse if c.claim.startswith("uncorrected GRPO") else status
+        lines.append(f"| {c.claim} | {c.source} | {c.paper} | {c.repo} | **{c.verdict}** | {c.rule} | {label} |")
     return "\n".join(lines)
 
 

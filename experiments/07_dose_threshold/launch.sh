@@ -3,6 +3,11 @@
 #   launch.sh pilot [key=value ...]              the ladder: the uncorrected arm at every rung + the fp32 control, seed 0
 #   launch.sh main RUNG [BELOW] [key=value ...]  every mitigation arm, 3 seeds, at the threshold rung and the rung below
 #   launch.sh control [key=value ...]            the fp32 control on 3 seeds (the regime's "control learns" check)
+#   launch.sh confirm [key=value ...]            the confirmatory grids registered in analysis.yaml (control, fp8,
+#                                                nvfp4 for 600 steps)
+#   launch.sh mechanism [key=value ...]          experts-only / attention-only / Kimi INT4 rungs, fake-INT4 trainer arms
+#   (confirm and mechanism start only once analysis.yaml's rollout_path names the fast path's key and value,
+#    committed after its fidelity check: every run of these grids on that one path)
 #   launch.sh ARM [--seed N] [key=value ...]     one run, e.g. launch.sh tis rollout.dtype=nvfp4
 #   launch.sh --smoke [ARM] [key=value ...]      two tiny steps (default: baseline at nvfp4), under 2 minutes
 # Runs go to runs/07_dose_threshold/ (gitignored); --record writes the recorded grid in results/runs
@@ -42,7 +47,24 @@ case "$ARM" in
     for rung in "${words[@]}"; do
       sweep --arms baseline,r3,tis,r3_tis,icepop,mis --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
     done ;;
-  "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | ARM [--seed N] | --smoke [ARM]" \
+  confirm|mechanism)
+    # the rollout path every run of these grids is recorded on, from the registered analysis (one line out)
+    path=$("$PY" -c "import yaml; p = yaml.safe_load(open('experiments/07_dose_threshold/analysis.yaml'))['rollout_path']; print(p['key'] + '=' + str(p['value']))")
+    case "$path" in
+      *pending*) echo "launch.sh $ARM: experiments/07_dose_threshold/analysis.yaml rollout_path is not set ($path); commit the fast path's fidelity check and name it there first" >&2; exit 2 ;;
+    esac
+    eval8="trainer.eval_samples=8"  # 2,048 completions per evaluation (analysis.yaml eval_completions)
+    if [[ $ARM == confirm ]]; then
+      sweep --arms fp32_control --seeds 12 "$path" "$eval8"
+      sweep --arms baseline,r3,tis,icepop,r3_tis --seeds 12 rollout.dtype=fp8 "$path" "$eval8"
+      sweep --arms baseline,tis,icepop,r3_tis --seeds 5 rollout.dtype=nvfp4 trainer.steps=600 "$path" "$eval8"
+    else
+      for rung in nvfp4_experts nvfp4_attention int4_experts int4_attention int4_kimi; do
+        sweep --arms baseline,r3 --seeds 5 "rollout.dtype=$rung" "$path" "$eval8"
+      done
+      sweep --arms qat_int4,qat_int4_r3,qat_int4_tis --seeds 5 "$path" "$eval8"
+    fi ;;
+  "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | confirm | mechanism | ARM [--seed N] | --smoke [ARM]" \
         "[key=value ...]" >&2; exit 2 ;;
   *)
     [ -f "$exp/arms/$ARM.yaml" ] || { echo "error: $exp/arms/$ARM.yaml: no such arm (have: $(ls $exp/arms | sed 's/\.yaml//' | tr '\n' ' '))" >&2; exit 2; }

@@ -86,3 +86,27 @@ def test_reevaluate_control_reproduces_the_recorded_evaluation_first(tmp_path, m
     with pytest.raises(SystemExit, match="not the same policy or evaluator"):
         script.main()
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mode", ["confirm", "mechanism"])
+def test_registered_grids_refuse_to_start_before_their_rollout_path_is_named(mode):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    registered = yaml.safe_load((ARMS.parent / "analysis.yaml").read_text())
+    assert "pending" in str(registered["rollout_path"]["value"])  # the fast path's fidelity check is not in yet
+    out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert out.returncode == 2 and "rollout_path is not set" in out.stderr
+
+
+def test_registered_mechanism_grid_names_configs_that_load():
+    import yaml
+
+    grid = yaml.safe_load((ARMS.parent / "analysis.yaml").read_text())["grids"]["mechanism"]
+    assert set(grid["rungs"]) == set(MECHANISM_RUNGS) and set(QAT_ARMS) <= set(grid["arms"])
+    for rung in MECHANISM_RUNGS:
+        assert load_config(ARMS / "baseline.yaml", [f"rollout.dtype={rung}"]).rollout.dtype == rung

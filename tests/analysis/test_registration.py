@@ -112,3 +112,17 @@ def test_every_run_records_the_registration(tmp_path, tiny_cfg):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     Tracker(tmp_path / "run", tiny_cfg, resume_step=1).close()
     assert json.loads((tmp_path / "run" / "run.json").read_text())["registration"] == recorded
+
+
+def test_registered_values_are_the_ones_the_code_uses():
+    """Rules shared with experiment 05's code (collapse, drift, the acted-on floor) are registered with the
+    values the code computes with: changing one without the other fails here."""
+    from moerl.analysis import collapse, dose, verdicts
+
+    assert dose.registered("collapse") == {"window": collapse.WINDOW, "fraction": collapse.FRACTION,
+                                           "nonfinite_update": True}
+    assert dose.registered("drift") == {"window": verdicts.EARLY_LATE_WINDOW, "growth": verdicts.DRIFT_GROWTH}
+    assert dose.ACTS_ON_FLOOR == verdicts.ACTS_ON_MIN
+    e05 = yaml.safe_load(analysis_path("05_mismatch_consequences").read_text())["rules"]
+    assert e05["verdict_gates"]["value"]["acts_on_floor"] == verdicts.ACTS_ON_MIN
+    assert e05["collapse"]["value"] == dose.registered("collapse")

@@ -11,7 +11,7 @@ existed: ``registered`` (the commit where the rule was first written in code; it
 git) and ``amendments`` (each later change of the rule, with the commit that made it and the value it
 replaced). An amendment stated in the file and a change seen in its history are treated alike.
 
-When did a grid start? The earliest ``analysis.started`` recorded in run.json by its runs; for grids
+When did a grid start? The earliest ``registration.started`` recorded in run.json by its runs; for grids
 recorded before runs carried it, the ``first_run_started`` the file states with its evidence (sweep.json
 invocations; a sweep invocation's start is a lower bound on its runs' starts, so the label errs towards
 post hoc). A run that recorded an older hash of the file is judged against the rules of that version.
@@ -179,7 +179,7 @@ class Registration:
         return self.rules[rid]["value"]
 
     def grid_started(self, grid: str) -> dt.datetime | None:
-        """The grid's first run start: the earliest ``analysis.started`` its runs recorded, else the
+        """The grid's first run start: the earliest ``registration.started`` its runs recorded, else the
         ``first_run_started`` the file states (recorded before runs carried it); None: not started."""
         spec = self.data["grids"][grid]
         arms, rungs = set(spec.get("arms", [])), set(spec.get("rungs", []))

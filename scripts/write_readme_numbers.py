@@ -149,7 +149,7 @@ def section_06(geometry: Path) -> str:
 
 # -- experiment 07 ---------------------------------------------------------------------------------
 def section_07(runs_root: Path) -> str:
-    from moerl.analysis.dose import load_runs, mismatch_order, threshold
+    from moerl.analysis.dose import load_runs, mismatch_order, regime, threshold
 
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
     runs = load_runs(runs_root)
@@ -160,8 +160,13 @@ def section_07(runs_root: Path) -> str:
         s = ladder[rung]
         lines.append(f"| {rung}{' (control)' if rung == 'fp32' else ''} | {_f(s['k3_median'], '.2e')} | "
                      f"{_f(s['pass1_start'], '.3f')} → {_f(s['pass1_end'], '.3f')} | {s['collapse_step'] or '—'} |")
-    found = threshold(ladder, control) if control is not None else None
-    lines += ["", f"Threshold (lowest rung whose uncorrected run collapses while the control learns): **{found or 'none'}**."]
+    state = regime({r["seed"]: r for r in runs if r["arm"] == "fp32_control"})
+    found = threshold(ladder, control, state["learns"]) if control is not None else None
+    ungated = threshold(ladder, control) if control is not None else None
+    verdict = found or ("not tested" if not state["learns"] else "none")
+    lines += ["", f"Threshold (lowest rung whose uncorrected run collapses while the control learns): **{verdict}**"
+              + ("." if state["learns"] else f" — the regime check is {state['status']}; on seed 0 alone, ungated: "
+                 f"{ungated or 'none'}."), "", report.dose_order(ladder) + "."]
     return "\n".join(lines)
 
 

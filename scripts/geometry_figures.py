@@ -107,9 +107,8 @@ def gap_verdicts(t, e05, base, sft, exp05) -> tuple[str, str]:
     v3 = "yes" if closed >= 0.8 else "partly" if closed >= 0.5 else "no"
     status = Registration(analysis_path("06_routing_geometry")).status("gap_closed", "points")
     label = f"post hoc: set by {status.set_by}" if status.post_hoc else "pre-registered"
-    verdict = (f"**{v1}** by the rule as first written (v1; with the z interval: {v1_z}); v2: {v2}; "
-               f"v3 ({label}): {v3} — {100 * closed:.0f} % of the gap closed at the estimate, "
-               f"{100 * closed_lo:.0f} % at the t interval's lower end")
+    verdict = (f"**{v1}** as first written (v1; z interval: {v1_z}); v2 {v2}; v3 ({label}) {v3}: "
+               f"{100 * closed:.0f} % of the gap closed, {100 * closed_lo:.0f} % at the t interval's low end")
     rule = ("v1 (0445c03): yes when router state moves the share < 10 points at experiment 05's geometry and the "
             "trained-anchor interval holds 94 %; partly: one. v2 (2253bb5): yes when that interval's lower end is "
             ">= 85 % and router state moves the share < 10 points at every geometry; partly: one. v3 (1d0c5f4): yes "

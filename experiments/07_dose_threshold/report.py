@@ -128,10 +128,9 @@ def dose_order(ladder: dict[str, dict]) -> str:
     low, high = rungs[-2], rungs[-1]
     rows = {r: read_metrics(Path(ladder[r]["run_dir"]) / "metrics.jsonl") for r in (low, high)}
     u = dose_order_uncertainty(rows[low], rows[high])
-    return (f"Dose order of the top two rungs (seed 0): run-median k3 {high} / {low} = {u['ratio']:.2f} "
-            f"[{u['lo']:.2f}, {u['hi']:.2f}] (95 % moving-block bootstrap over steps, blocks of 25) — "
-            + ("resolved" if u["resolved"] else f"**not resolved**: {low} and {high} are tied in dose, so which of "
-               "the two is the threshold is not settled by this ladder"))
+    return (f"Dose order of the top two rungs (seed 0): run-median k3 {high} / {low} {u['ratio']:.2f} "
+            f"[{u['lo']:.2f}, {u['hi']:.2f}] (95 %, block bootstrap over steps): "
+            + ("resolved" if u["resolved"] else f"**not resolved**, {low} and {high} are tied in dose"))
 
 
 def by_seed(runs: list[dict], arm: str, rung: str | None = None) -> dict[int, dict]:

@@ -49,10 +49,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +59,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # isa_children: the per-ISA child runner the benches share
+
+from isa_children import report, run_per_isa  # noqa: E402
 
 REGIMES = {"07": "experiments/07_dose_threshold/arms/baseline.yaml",
            "00": "experiments/00_tiny_moe_cpu/arms/baseline.yaml",
@@ -260,7 +261,6 @@ def measure_run(arm: str, steps: int, threads: int, overrides: list[str],
     """Median phase times of ``steps`` GRPO steps of ``arm`` (after one untimed step), the lengths each
     timed step sampled, and the config; with ``time_eval`` also one held-out evaluation's seconds
     (``time/eval``)."""
-    import torch
 
     from moerl.config import load_config
     from moerl.trainer.grpo import GRPOTrainer
@@ -373,24 +373,11 @@ def main(argv=None) -> dict:
         if "--isa" not in (argv if argv is not None else sys.argv[1:]):
             args.isa = "default"
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        report(child(args))
         return {}
-    results = []
-    for isa in args.isa.split(","):
-        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
-        env["OMP_NUM_THREADS"] = str(args.threads)
-        if isa != "default":
-            env["ONEDNN_MAX_CPU_ISA"] = isa
-        cmd = [sys.executable, __file__, "--child", "--isa", isa, "--steps", str(args.steps),
-               "--threads", str(args.threads), "--regimes", args.regimes, *(["--quick"] if args.quick else []),
-               *args.overrides]
-        print(f"ONEDNN_MAX_CPU_ISA={isa}", flush=True)
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT "):]))
-            else:
-                print(line, flush=True)
+    results = run_per_isa(__file__, args.isa, ["--steps", str(args.steps), "--threads", str(args.threads),
+                                               "--regimes", args.regimes, *(["--quick"] if args.quick else []),
+                                               *args.overrides], threads=args.threads)
     for r in results:
         print(f"\nONEDNN_MAX_CPU_ISA={r['isa']}, {r['threads']} thread(s); fp32 GEMM peak at 1024^3: "
               f"{r['peak_gflops_1024']:.0f} GFLOP/s")

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # isa_children: the per-ISA child runner the benches share
+
+from isa_children import report, run_per_isa  # noqa: E402
 
 SIDES = {"native": ["rollout.kernels=native"], "emulated": ["rollout.kernels=emulated"],
          "fp32": ["rollout.dtype=fp32"]}
@@ -81,22 +82,10 @@ def main(argv=None) -> dict:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        report(child(args))
         return {}
-    results = []
-    for isa in args.isa.split(","):
-        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
-        if isa != "default":
-            env["ONEDNN_MAX_CPU_ISA"] = isa
-        cmd = [sys.executable, __file__, "--child", "--isa", isa, "--arm", args.arm, "--rounds", str(args.rounds),
-               "--warmup", str(args.warmup), "--threads", str(args.threads), *args.overrides]
-        print(f"ONEDNN_MAX_CPU_ISA={isa}: {' '.join(cmd[1:])}", flush=True)
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT "):]))
-            else:
-                print(line, flush=True)
+    results = run_per_isa(__file__, args.isa, ["--arm", args.arm, "--rounds", str(args.rounds), "--warmup",
+                                               str(args.warmup), "--threads", str(args.threads), *args.overrides])
     print(f"\n{'ISA cap':8s} {'phase':14s} {'native s':>9s} {'emulated s':>10s} {'fp32 s':>7s} "
           f"{'native/emulated':>16s} {'target':>7s}")
     for r in results:

@@ -119,7 +119,7 @@ def gap_verdicts(t, e05, base, sft, exp05) -> tuple[str, str]:
 
 def claims_lines(df, preds) -> list[str]:
     """claim | paper | moerl | verdict, each verdict by the rule stated in its row."""
-    from moerl.analysis.geometry_report import anchor_row, point_row
+    from moerl.analysis.geometry_report import point_row
 
     base = point_row(df, "qwen3_base_L48_E128_k8_h64")
     sft = [r for r in (point_row(df, "state_qwen3_warm150"), point_row(df, "state_qwen3_warm400")) if r is not None]

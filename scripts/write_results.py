@@ -100,7 +100,7 @@ def family_ratio_cells(runs: pd.DataFrame, key: str = "median/mismatch/k3") -> d
     out = {}
     for arm, ref in family_references(runs).items():
         if arm == ref:
-            out[arm] = f"1× (reference of its family)"
+            out[arm] = "1× (reference of its family)"
             continue
         ratio = (vals.loc[arm] / vals.loc[ref]).dropna()
         if ratio.empty:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> Path:
             sys.exit(f"write_results: {err}")
         sections.append(render(exp_dir, runs, load_sweep(exp_dir), args.figures or None))
     command = "python scripts/write_results.py " + " ".join(args.experiment_dirs)
-    text = "\n".join([f"# Results", "", f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.", ""] + sections)
+    text = "\n".join(["# Results", "", f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.", ""] + sections)
     out = Path(args.out)
     kept = kept_sections(out.read_text()) if out.exists() else []
     text = "\n".join([text.rstrip("\n"), *kept]) + "\n" if kept else text

@@ -296,7 +296,7 @@ def _growths(values: dict[int, float | None]) -> str:
 def grid_markdown(table: dict[str, dict]) -> str:
     if not table:
         return "\nMain grid: not run yet.\n"
-    lines = [f"\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.analysis.dose):\n"]
+    lines = ["\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.analysis.dose):\n"]
     for rung, g in table.items():
         lines += [f"**rung {rung}** — baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), "
                   f"control seeds {g['control_seeds']}", "",

@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import yaml
 
 from moerl import planner
 from moerl.verl_ext import constraints as C

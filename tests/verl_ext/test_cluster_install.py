@@ -54,9 +54,19 @@ def test_sbatch_output_dir_exists_and_nodes_are_checked_before_ray():
 
 @pytest.mark.parametrize("exp", ["01_kimi_k2_lora_grpo", "02_kimi_k2_lora_grpo_r3",
                                  "03_qwen3_30b_a3b_lora_mitigations", "04_moonlight_16b_a3b_r3"])
-def test_launch_scripts_require_installed_moerl(exp):
-    text = (REPO / "experiments" / exp / "launch.sh").read_text()
-    assert 'python -c "import moerl"' in text and "pip install --no-deps -e ." in text
+def test_launch_scripts_require_installed_moerl(exp, tmp_path):
+    """Run under a Python without moerl (an empty venv-less interpreter stand-in), each launcher stops with
+    the fix, naming the Python it was given, before composing anything."""
+    import subprocess
+
+    fake = tmp_path / "python-without-moerl"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # -S: no site-packages, no moerl
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "experiments" / exp / "launch.sh"), "--dry-run"],
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "moerl is not installed" in proc.stderr and f"{fake} -m pip install --no-deps -e ." in proc.stderr
 
 
 def test_check_cluster_env_names_the_fix(tmp_path, capsys):

@@ -71,7 +71,7 @@ def _run(tmp_path: Path, fakes: dict[str, str] | None = None, **env_extra) -> tu
     _exe(bin_dir / "ray", RAY)
     _exe(bin_dir / "hostname", HOSTNAME)
     _exe(bin_dir / "scontrol", "#!/bin/bash\nprintf '%s\\n' " + " ".join(NODES) + "\n")
-    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "python3").symlink_to(sys.executable)
     venv = tmp_path / "env" / "bin"
     venv.mkdir(parents=True)
     (venv / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')

@@ -25,6 +25,8 @@ def test_fixture_is_what_its_generator_writes(tmp_path):
     make.write(tmp_path / "new", tmp_path / "old")
     for name in ("tiktoken.model", "tokenizer_config.json"):
         assert (tmp_path / "new" / name).read_text() == (FIX / name).read_text()
+        assert (tmp_path / "old" / name).read_text() == (make.OLD_IMPORT / name).read_text()
+    assert (tmp_path / "old" / "tokenization_kimi.py").read_text() == (make.OLD_IMPORT / "tokenization_kimi.py").read_text()
 
 
 def test_kimi_style_tiktoken_tokenizer_loads_as_verl_loads_it():
@@ -38,9 +40,8 @@ def test_kimi_style_tiktoken_tokenizer_loads_as_verl_loads_it():
     assert ids == [259, 264, 267] and tok.decode(ids) == "hello world<|im_end|>"
 
 
-def test_the_old_gpt2_import_is_refused_with_the_workaround(tmp_path):
-    make.write(tmp_path / "new", tmp_path / "old")  # the old-import variant, made here rather than committed twice
-    f = C.check_all(C.LaunchSpec(model=K2, n_gpus=1, verl={"model_path": str(tmp_path / "old"),
+def test_the_old_gpt2_import_is_refused_with_the_workaround():
+    f = C.check_all(C.LaunchSpec(model=K2, n_gpus=1, verl={"model_path": str(make.OLD_IMPORT),
                                                            "trust_remote_code": True}), only=("model.tokenizer_loads",))[0]
     assert not f.ok and "bytes_to_unicode" in f.detail and "convert_slow_tokenizer" in f.detail and "#414" in f.detail
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 
 from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
                                    figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
-                                   sft_depth)
+                                   sft_depth, sft_width)
 from moerl.analysis.results import write_marked_section
 
 
@@ -44,7 +44,8 @@ def fit_lines(df) -> list[str]:
     fitted = fits(df)
     lines = ["| ladder | points | slope b in p ~ x^b | ± s.e. | residual s.d. (log p) |", "|---|---|---|---|---|"]
     for name, f in fitted.items():
-        pts = sft_depth(df)["L"] if name == "depth_sft" else ladder(df, name)[FACTORS[name]]
+        pts = {"depth_sft": lambda: sft_depth(df)["L"], "width_sft": lambda: sft_width(df)["H"]}.get(
+            name, lambda: ladder(df, name)[FACTORS[name]])()
         xs = ", ".join(str(int(v)) for v in pts)
         lines.append(f"| {name} | {xs} | {f['b']:+.3f} | {math.sqrt(f['cov'][1][1]):.3f} | {f['s']:.3f} |")
     return lines

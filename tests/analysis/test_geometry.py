@@ -183,4 +183,8 @@ def test_trained_width_points_give_the_trained_anchors_their_width_slope():
     assert sft_width(pd.DataFrame(rows[:1])).empty  # no trained width point yet: no trained slope
     df = pd.DataFrame(rows)
     assert list(sft_width(df).H) == [64, 128]
-    assert fits(df)["width_sft"]["b"] < 0
+    assert "width_sft" not in fits(df)  # two of the three registered points: no slope with an error yet
+    rows.append({**rows[1], "point": "state_qwen3_warm400_h256", "H": 256, "p_mean": 0.036})
+    df = pd.DataFrame(rows)
+    assert list(sft_width(df).H) == [64, 128, 256]
+    assert fits(df)["width_sft"]["b"] < 0 and fits(df)["width_sft"]["s"] > 0

@@ -83,6 +83,12 @@ def sft_depth(df: pd.DataFrame) -> pd.DataFrame:
     return sel.sort_values("L")
 
 
+# The trained width ladder enters the fits (and so the trained anchors' extrapolation) once every registered
+# point is measured: hidden 64 (the base), 128 and 256 (experiments/06_routing_geometry/analysis.yaml). A slope
+# through two points leaves no residual to estimate its error from, so its interval would show only sampling noise.
+TRAINED_WIDTH_POINTS = 3
+
+
 def fits(df: pd.DataFrame) -> dict:
     """Per ladder: the log-log fit of p_mean against its factor (needs >= 2 points); ``depth_sft`` is the
     depth ladder with SFT'd routers."""
@@ -95,7 +101,7 @@ def fits(df: pd.DataFrame) -> dict:
     if len(sel) >= 2:
         out["depth_sft"] = fit_loglinear(sel["L"].to_numpy(), sel["p_mean"].to_numpy())
     sel = sft_width(df)
-    if len(sel) >= 2:
+    if len(sel) >= TRAINED_WIDTH_POINTS:
         out["width_sft"] = fit_loglinear(sel["H"].to_numpy(), sel["p_mean"].to_numpy())
     return out
 
@@ -312,11 +318,12 @@ def figure_ladders(df: pd.DataFrame):
 ROUTER_STATES = {"state_exp05_random": "random init", "state_exp05_warm": "exp-05 warm start (600 SFT steps)",
                  "state_exp05_grpo30": "exp-05 warm start + 30 GRPO steps", "state_qwen3_warm150": "150-step SFT",
                  "state_qwen3_warm400": "400-step SFT", "state_qwen3_L8_warm400": "400-step SFT",
-                 "state_qwen3_L16_warm400": "400-step SFT"}
+                 "state_qwen3_L16_warm400": "400-step SFT", "state_qwen3_warm400_h128": "400-step SFT",
+                 "state_qwen3_warm400_h256": "400-step SFT"}
 
 
 def _geometry(r) -> str:
-    return f"{r.L}x{r.E} top-{r.k}"
+    return f"{r.L}x{r.E} top-{r.k}" + ("" if r.H == 64 else f", hidden {r.H}")
 
 
 def _measurement(rows: pd.DataFrame) -> str:
@@ -411,7 +418,7 @@ def figure_cluster_extrapolation(df: pd.DataFrame):
 
     def at(a):
         r = anchor[a]
-        return "" if r is None else f" ({r.point}: {_geometry(r)}, h{r.H})"
+        return "" if r is None else f" ({r.point}: {r.L}x{r.E} top-{r.k}, h{r.H})"
 
     # trained anchors move in depth along the SFT'd depth ladder when it was measured (see predictions)
     depth = "; depth slope from the SFT'd depth ladder" if "depth_sft" in fits(df) else ""

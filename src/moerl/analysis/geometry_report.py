@@ -434,10 +434,12 @@ def figure_cluster_extrapolation(df: pd.DataFrame):
              + ", at the real width" + depth),
             (0.3, "sft_real", "C5", "fit from the base after SFT" + at("sft") + ", at the real width" + depth)):
         col = "measured_share" if tag == "measured" else f"{tag}_share"
-        lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo"
-        hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi"
+        lo = "measured_lo" if tag == "measured" else f"{tag}_share_lo_t"
+        hi = "measured_hi" if tag == "measured" else f"{tag}_share_hi_t"
         if col not in preds:
             continue
+        if lo not in preds:  # a fit without t-distributed slopes: its normal interval
+            lo, hi = f"{tag}_share_lo", f"{tag}_share_hi"
         ax.errorbar(preds[col], y + offset, xerr=[preds[col] - preds[lo], preds[hi] - preds[col]], fmt="o",
                     color=color, capsize=3, label=label)
     ax.axvline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, real model)")
@@ -459,8 +461,8 @@ def figure_cluster_extrapolation(df: pd.DataFrame):
     caption = ("Geometry: MoE layers x routed experts, top-k. Measured at hidden 64, then extrapolated to each model's "
                f"real width; {_rollouts(measured)} vs fp32 trainer, {_measurement(measured)}. Error bars: measured, 95 % "
                "bootstrap interval over the sequences; fits, log p_l moved from the anchor along the fitted ladder "
-               "slopes, share = 1 - (1 - p_l)^L, ± 1.96 s.d. (anchor interval, slope s.e. x distance moved, ladder "
-               "residual scatter).")
+               "slopes, share = 1 - (1 - p_l)^L, 95 % interval with each slope drawn from its t-distribution (n - 2 "
+               "degrees of freedom, n = the ladder's points), plus the anchor's interval and the ladder's residual scatter.")
     fig.text(0.01, bottom - 0.02, textwrap.fill(caption, 150), ha="left", va="top", fontsize=8, style="italic")
     return fig
 

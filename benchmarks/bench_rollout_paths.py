@@ -1,17 +1,19 @@
-"""The embedded rollout on transformers' static KV cache (and, with ``--compile``, its torch.compile'd decode)
-against today's path, side by side in one run: time per generate and whether the batch is bit-identical.
+"""The embedded rollout's decode paths side by side in one run: moerl's decode loop (the default,
+``moerl.rollout.decode``), transformers' ``generate`` with its dynamic cache (``rollout.decode=generate``),
+its static cache and, with ``--compile``, its torch.compile'd decode: time per rollout and whether each
+batch is bit-identical to ``generate``'s.
 
     .venv/bin/python benchmarks/bench_rollout_paths.py [--arm experiments/07_dose_threshold/arms/baseline.yaml]
         [--rounds 3] [--compile] [--quick] [--out results/bench/rollout_paths] [key=value ...]
 
-Today's engine (moerl.rollout.hf) calls ``generate`` with a dynamic cache: keys and values grow by one
-position per decode step. transformers' ``cache_implementation="static"`` pre-allocates the cache to the
-batch's full length, so every decode step has the same shapes -- what a compiler needs --, and with a
-``CompileConfig`` ``generate`` compiles the decode forward (inductor on a CPU). Each variant generates the
-same prompts with the same seed as the current engine (same precision, emulated kernels, routing capture),
-in rotation, and is compared with it: sampled tokens, rollout logprobs and routing trace, bit for bit.
-Prints median seconds per generate, the ratio to today's path and the identity checks; writes
-``<out>/bench_rollout_paths.json``. The compiled variant's first call (the compilation) is reported apart.
+``generate`` with a dynamic cache grows keys and values by one position per decode step.
+``cache_implementation="static"`` pre-allocates the cache to the batch's full length, so every decode step
+has the same shapes -- what a compiler needs --, and with a ``CompileConfig`` ``generate`` compiles the
+decode forward (inductor on a CPU). Each variant generates the same prompts with the same seed (same
+precision, emulated kernels, routing capture), in rotation, and is compared with ``generate``: sampled
+tokens, rollout logprobs and routing trace, bit for bit. Prints median seconds per rollout, the ratio to
+``generate`` and the identity checks; writes ``<out>/bench_rollout_paths.json``. The compiled variant's
+first call (the compilation) is reported apart.
 """
 from __future__ import annotations
 
@@ -65,14 +67,19 @@ def main(argv=None) -> dict:
     engine = HFEngine(policy, tok, cfg.rollout, cfg.data.task)
     rows = load_splits(cfg.data)[0][: cfg.rollout.prompts_per_step]
     questions, answers = [r["question"] for r in rows], [r["answer"] for r in rows]
+    if engine.decode_loop_unsupported:
+        raise SystemExit(f"{args.arm}: the decode loop does not cover this engine: {engine.decode_loop_unsupported}")
     plain_generate = engine.model.generate
-    variants = {"hf (today)": {}, "static cache": {"cache_implementation": "static"}}
+    variants = {"generate": {}, "moerl decode loop": None, "generate, static cache": {"cache_implementation": "static"}}
     if args.compile:
         compiled = CompileConfig(fullgraph=False, dynamic=False, mode="default")
         compiled._compile_all_devices = True  # transformers compiles generate's decode on GPUs only unless told
-        variants["static cache + torch.compile"] = {"cache_implementation": "static", "compile_config": compiled}
+        variants["generate, static cache + torch.compile"] = {"cache_implementation": "static",
+                                                             "compile_config": compiled}
 
-    def run(extra: dict, seed: int):
+    def run(extra: dict | None, seed: int):
+        """One rollout: the decode loop (``extra`` None) or generate with ``extra`` keyword arguments."""
+        engine.decode_loop = extra is None
         engine.model.generate = (lambda *a, **kw: plain_generate(*a, **kw, **extra)) if extra else plain_generate
         try:
             start = time.perf_counter()
@@ -96,17 +103,17 @@ def main(argv=None) -> dict:
                     identical[name][key] &= same
         print(f"round {i + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    today = medians["hf (today)"]
+    reference = medians["generate"]
     print(f"\n{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} samples, rollout.dtype={cfg.rollout.dtype}, "
           f"kernels={cfg.rollout.kernels}, {args.threads} thread(s), {rounds} round(s)")
-    print(f"{'variant':30s} {'first call s':>12s} {'median s':>9s} {'/ today':>8s}  bit-identical to today")
+    print(f"{'variant':40s} {'first call s':>12s} {'median s':>9s} {'/ generate':>10s}  bit-identical to generate")
     for name in variants:
         same = identical[name]
-        print(f"{name:30s} {first_call[name]:12.2f} {medians[name]:9.2f} {medians[name] / today:8.2f}  "
-              + ("-" if name == "hf (today)" else ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items())))
+        print(f"{name:40s} {first_call[name]:12.2f} {medians[name]:9.2f} {medians[name] / reference:10.2f}  "
+              + ("-" if name == "generate" else ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items())))
     result = {"arm": args.arm, "overrides": args.overrides, "rounds": rounds, "threads": args.threads,
-              "first_call_s": first_call, "median_s": medians, "ratio_to_today": {n: m / today for n, m in medians.items()},
-              "identical_to_today": {n: v for n, v in identical.items() if n != "hf (today)"},
+              "first_call_s": first_call, "median_s": medians, "ratio_to_generate": {n: m / reference for n, m in medians.items()},
+              "identical_to_generate": {n: v for n, v in identical.items() if n != "generate"},
               "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,10 @@ class RolloutConfig:
     # output to bf16, as a GPU's fp32-accumulating kernels do: the same numbers on every CPU, measured to
     # give the same mismatch statistics as native (README, "Rollout kernels"). Part of the run's identity.
     kernels: Literal["native", "emulated"] = "emulated"
+    # How the embedded engine decodes: ``loop``, moerl's decode loop (moerl.rollout.decode; bit-identical
+    # to generate on the same machine, several times faster), or transformers' ``generate``. Models the
+    # loop does not cover use generate either way. How a run is executed, not what it computes.
+    decode: Literal["loop", "generate"] = "loop"
     prompts_per_step: int = num(32, 1)
     group_size: int = num(8, 2, why="GRPO normalises within a group")
     max_new_tokens: int = num(8, 1)
@@ -337,7 +341,7 @@ def resolved_threads(cfg: ExperimentConfig) -> int:
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
 # run's identity (a resumed run may use other threads or another wandb mode).
-OPERATIONAL_KEYS = ("threads", "rollout.threads", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+OPERATIONAL_KEYS = ("threads", "rollout.threads", "rollout.decode", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict:

@@ -96,7 +96,8 @@ def test_materialised_expert_lora_is_bit_identical_to_peft_per_forward(tokenizer
     from contextlib import nullcontext
 
     policy = lora_policy(tokenizer, preset)
-    engine = HFEngine(policy, tokenizer, RolloutConfig(dtype=dtype, max_new_tokens=6, capture_routing=True))
+    engine = HFEngine(policy, tokenizer, RolloutConfig(dtype=dtype, max_new_tokens=6, capture_routing=True,
+                                                       decode="generate"))
 
     def both():
         fast = engine.generate(QUESTIONS * 2, ANSWERS * 2, group_size=4, seed=5)
@@ -128,12 +129,16 @@ def test_materialised_expert_lora_refuses_autograd(tokenizer):
             pass
 
 
-def test_engine_generates_on_its_own_thread_count(tokenizer, monkeypatch):
+@pytest.mark.parametrize("decode", ["loop", "generate"])
+def test_engine_generates_on_its_own_thread_count(tokenizer, monkeypatch, decode):
     """rollout.threads applies while the engine generates and the process's count comes back after."""
+    import moerl.rollout.hf as hf
+
     seen = []
-    engine = HFEngine(lora_policy(tokenizer), tokenizer, RolloutConfig(max_new_tokens=3, threads=1))
-    generate = engine.model.generate
-    monkeypatch.setattr(engine.model, "generate", lambda *a, **k: seen.append(torch.get_num_threads()) or generate(*a, **k))
+    engine = HFEngine(lora_policy(tokenizer), tokenizer, RolloutConfig(max_new_tokens=3, threads=1, decode=decode))
+    owner, name = (hf, "decode") if decode == "loop" else (engine.model, "generate")
+    generate = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: seen.append(torch.get_num_threads()) or generate(*a, **k))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -32,6 +32,15 @@ class GenerationRecorder:
             native.detach().view(self.batch_size, -1, native.shape[-1]).to(index_dtype(layer.num_experts)))
         return None
 
+    def extend(self, routes: list[torch.Tensor]) -> None:
+        """Append calls made outside the hooks (moerl's decode loop): one [N, t, k] tensor per MoE layer,
+        in layer order."""
+        numbers = sorted(self.calls)
+        if len(routes) != len(numbers):
+            raise TraceError(f"{len(routes)} layers of routes for {len(numbers)} recorded MoE layers")
+        for number, route in zip(numbers, routes):
+            self.calls[number].append(route.view(self.batch_size, -1, route.shape[-1]).to(index_dtype(self.num_experts)))
+
     def to_trace(self, attention_mask: torch.Tensor) -> RoutingTrace:
         """Trace over the batch's columns; valid on real tokens except each sample's last one.
 

@@ -21,9 +21,9 @@ from moerl.data.tokenizer import BOS
 from moerl.lora.peft_lora import expert_lora_materialised
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
+from moerl.rollout.decode import decode, unsupported
 from moerl.rollout.precision import compute_dtype, quantize_model
 from moerl.rollout.kernels import rollout_kernels
-
 
 
 @contextmanager
@@ -52,6 +52,27 @@ class HFEngine:
         # native bf16 kernels, or fp32 kernels with bf16 rounding points (moerl.rollout.kernels); one
         # context per engine, so emulation's fp32 weight copies last until the weights change.
         self.kernels = rollout_kernels(cfg.kernels, self.dtype)
+        # moerl's decode loop (moerl.rollout.decode): generate's numbers without its per-token overhead,
+        # where it covers the model; generate otherwise.
+        self.decode_loop_unsupported = unsupported(self.model, self.dtype, cfg.kernels)
+        self.decode_loop = cfg.decode == "loop" and self.decode_loop_unsupported is None
+
+    def _decode_loop(self, prompt_ids, prompt_mask, greedy: bool, recorder):
+        """Sequences and raw step logits from moerl's decode loop; its routes go to ``recorder``."""
+        cfg, tok = self.cfg, self.tokenizer
+
+        @contextmanager
+        def engine_context():
+            with self.kernels, expert_lora_materialised(self.model):
+                yield
+
+        seqs, step_logits, routes = decode(
+            self.model, self.dtype, engine_context, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=greedy,
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, record_routes=recorder is not None)
+        if recorder is not None and routes is not None:
+            recorder.extend(routes)
+        return seqs, step_logits
 
     # -- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -98,13 +119,16 @@ class HFEngine:
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
-        with self.kernels, capture as recorder, expert_lora_materialised(self.model), \
-                torch_threads(cfg.threads):
-            out = self.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
-                return_dict_in_generate=True, **sampling)
-        seqs = out.sequences
+        with capture as recorder, torch_threads(cfg.threads):
+            if self.decode_loop:
+                seqs, step_logits = self._decode_loop(prompt_ids, prompt_mask, greedy, recorder)
+            else:
+                with self.kernels, expert_lora_materialised(self.model):
+                    out = self.model.generate(
+                        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
+                        return_dict_in_generate=True, **sampling)
+                seqs, step_logits = out.sequences, torch.stack(out.logits, dim=1)
         total = seqs.shape[1]
         new = seqs[:, t0:]
         # Response runs up to and including the first EOS; generate pads finished rows afterwards.
@@ -115,7 +139,7 @@ class HFEngine:
         attention_mask = torch.cat([prompt_mask.bool(), response], dim=1)
         # Logprob of each sampled token under the engine's (temperature-scaled) distribution.
         temperature = 1.0 if greedy else cfg.temperature
-        step_logits = torch.stack(out.logits, dim=1).float() / temperature  # [N, n_new, V]
+        step_logits = step_logits.float() / temperature  # [N, n_new, V]
         logp_new = torch.log_softmax(step_logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         rollout_logprobs = torch.zeros(n, total)
         rollout_logprobs[:, t0:] = torch.where(response, logp_new, torch.zeros_like(logp_new))

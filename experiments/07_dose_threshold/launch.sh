@@ -6,8 +6,8 @@
 #   launch.sh confirm [key=value ...]            the confirmatory grids registered in analysis.yaml (control, fp8,
 #                                                nvfp4 for 600 steps)
 #   launch.sh mechanism [key=value ...]          experts-only / attention-only / Kimi INT4 rungs, fake-INT4 trainer arms
-#   (confirm and mechanism start only once analysis.yaml's rollout_path names the fast path's key and value,
-#    committed after its fidelity check: every run of these grids on that one path)
+#   (confirm and mechanism run every run on the one path analysis.yaml's rollout_path names, and refuse while
+#    it is unset)
 #   launch.sh ARM [--seed N] [key=value ...]     one run, e.g. launch.sh tis rollout.dtype=nvfp4
 #   launch.sh --smoke [ARM] [key=value ...]      two tiny steps (default: baseline at nvfp4), under 2 minutes
 # Runs go to runs/07_dose_threshold/ (gitignored); --record writes the recorded grid in results/runs

@@ -88,19 +88,23 @@ def test_reevaluate_control_reproduces_the_recorded_evaluation_first(tmp_path, m
     assert not out.exists()
 
 
-@pytest.mark.parametrize("mode", ["confirm", "mechanism"])
-def test_registered_grids_refuse_to_start_before_their_rollout_path_is_named(mode):
+def test_registered_grids_run_every_run_on_the_registered_rollout_path(mode="confirm"):
+    """``launch.sh confirm`` (and ``mechanism``, the same code) passes analysis.yaml's rollout_path to every run
+    it plans."""
     import os
     import subprocess
     import sys
 
     import yaml
 
-    registered = yaml.safe_load((ARMS.parent / "analysis.yaml").read_text())
-    assert "pending" in str(registered["rollout_path"]["value"])  # the fast path's fidelity check is not in yet
-    out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode], capture_output=True, text=True,
-                         env={**os.environ, "PYTHON": sys.executable})
-    assert out.returncode == 2 and "rollout_path is not set" in out.stderr
+    path = yaml.safe_load((ARMS.parent / "analysis.yaml").read_text())["rollout_path"]
+    assert (path["key"], path["value"]) == ("rollout.decode", "loop")
+    out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode, "--dry-run"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": sys.executable}, cwd=ARMS.parents[2])
+    assert out.returncode == 0, out.stderr
+    planned = [line for line in out.stdout.splitlines() if "scripts/run.py" in line]
+    assert len(planned) == 12 + 5 * 12 + 4 * 5
+    assert all(" rollout.decode=loop " in line and " trainer.eval_samples=8" in line for line in planned)
 
 
 def test_registered_mechanism_grid_names_configs_that_load():

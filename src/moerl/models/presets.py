@@ -11,6 +11,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, MixtralConfig,
                           Qwen3MoeConfig)
 
 from moerl.config import ModelConfig
+from moerl.models.experts import implementation
 
 PRESETS = ("qwen3_moe", "deepseek_v3", "mixtral")
 
@@ -82,6 +83,6 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0) -> torch.nn.Module:
     hf_cfg = build_hf_config(cfg, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
                              tokenizer.eos_token_id, max_positions(cfg))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_cfg, experts_implementation=cfg.experts_implementation,
+    model = AutoModelForCausalLM.from_config(hf_cfg, experts_implementation=implementation(cfg.experts_implementation),
                                              attn_implementation="sdpa")
     return model.float()

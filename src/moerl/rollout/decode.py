@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from moerl.models.experts import NAME as EXPERTS_NAME
 from moerl.rollout.kernels import LOW_PRECISION
 
 
@@ -77,7 +78,7 @@ def unsupported(model: nn.Module, dtype: torch.dtype, kernels: str) -> str | Non
         return f"rollout.kernels={kernels!r} (the loop reproduces the emulated kernels and fp32)"
     if dtype not in (torch.float32, *LOW_PRECISION):
         return f"dtype {dtype}"
-    if getattr(base.config, "_experts_implementation", None) != "grouped_mm":
+    if getattr(base.config, "_experts_implementation", None) not in ("grouped_mm", EXPERTS_NAME):
         return f"experts implementation {base.config._experts_implementation!r} (the loop reproduces grouped_mm)"
     for layer in base.model.layers:
         mlp = layer.mlp

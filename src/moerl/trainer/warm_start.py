@@ -28,6 +28,7 @@ from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict
 from moerl.data import load_splits
 from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
+from moerl.models.experts import implementation
 from moerl.models.presets import build_model
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def load_warm_start(cfg: ExperimentConfig, train_if_missing: bool = True, progre
             raise FileNotFoundError(f"no warm start at {path}; run python scripts/warm_start.py <config>")
         log.info("no cached warm start at %s: training it (%d steps)", path, cfg.warm_start.steps)
         train_warm_start(cfg, path, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=cfg.model.experts_implementation,
-                                                 attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
+                                                 experts_implementation=implementation(cfg.model.experts_implementation))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     return model.float(), tokenizer, json.loads((path / "meta.json").read_text())

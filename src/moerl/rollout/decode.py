@@ -187,11 +187,9 @@ class DecodeLoop:
         self.lm_head = self.products.weight(base.lm_head.weight)
         first = self.layers[0]
         heads = base.config.num_attention_heads
-        # fp32 caches of the bf16 keys/values (exact), one row per query head: what the emulated attention
-        # used to rebuild on every call. An fp32 engine caches per key/value head, as transformers does.
-        cache_heads = heads if self.emulated else base.config.num_key_value_heads
-        cache_dtype = torch.float32
-        self.keys = [torch.zeros(batch_size, cache_heads, max_length, first.head_dim, dtype=cache_dtype)
+        # fp32 caches (a bf16 engine's keys and values are exact in fp32), one row per query head: what the
+        # emulated attention, or transformers' repeat_kv before an fp32 sdpa, rebuilt on every call.
+        self.keys = [torch.zeros(batch_size, heads, max_length, first.head_dim, dtype=torch.float32)
                      for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.length = 0
@@ -206,10 +204,8 @@ class DecodeLoop:
                              use_cache=True, logits_to_keep=1)
         t0 = input_ids.shape[1]
         for i, layer in enumerate(out.past_key_values.layers):
-            k, v = layer.keys.float(), layer.values.float()
-            if self.keys[i].shape[1] != k.shape[1]:
-                k = k.repeat_interleave(self.layers[i].groups, dim=1)
-                v = v.repeat_interleave(self.layers[i].groups, dim=1)
+            k = layer.keys.float().repeat_interleave(self.layers[i].groups, dim=1)
+            v = layer.values.float().repeat_interleave(self.layers[i].groups, dim=1)
             self.keys[i][:, :, :t0] = k
             self.values[i][:, :, :t0] = v
         self.length = t0
@@ -250,20 +246,17 @@ class DecodeLoop:
         v = p.projection(h, layer.v).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys, values = self.keys[i], self.values[i]
-        if self.emulated:  # the emulated attention's fp32 operands, repeated per query head
-            keys[:, :, t:t + 1] = k.float().repeat_interleave(layer.groups, dim=1)
-            values[:, :, t:t + 1] = v.float().repeat_interleave(layer.groups, dim=1)
-            out = self._emulated_attention(q, keys[:, :, :t + 1], values[:, :, :t + 1], mask, layer.scaling)
-        else:
-            keys[:, :, t:t + 1] = k
-            values[:, :, t:t + 1] = v
-            k_all, v_all = keys[:, :, :t + 1], values[:, :, :t + 1]
-            if mask is None:  # transformers lets sdpa share key/value heads only without a mask
-                out = F.scaled_dot_product_attention(q, k_all, v_all, scale=layer.scaling, enable_gqa=True)
-            else:
-                k_all = k_all.repeat_interleave(layer.groups, dim=1) if layer.groups > 1 else k_all
-                v_all = v_all.repeat_interleave(layer.groups, dim=1) if layer.groups > 1 else v_all
-                out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=layer.scaling)
+        keys[:, :, t:t + 1] = k.float().repeat_interleave(layer.groups, dim=1)
+        values[:, :, t:t + 1] = v.float().repeat_interleave(layer.groups, dim=1)
+        k_all, v_all = keys[:, :, :t + 1], values[:, :, :t + 1]
+        if self.emulated:
+            out = self._emulated_attention(q, k_all, v_all, mask, layer.scaling)
+        elif mask is None:  # transformers lets sdpa share key/value heads only without a mask
+            groups = layer.groups
+            out = F.scaled_dot_product_attention(q, k_all[:, ::groups], v_all[:, ::groups], scale=layer.scaling,
+                                                 enable_gqa=True)
+        else:  # with a mask it repeats them (repeat_kv): the cache holds them repeated
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=layer.scaling)
         out = out.transpose(1, 2).contiguous().reshape(n, 1, -1).contiguous()
         return p.projection(out, layer.o)
 

@@ -1,0 +1,250 @@
+"""Experiment 07's confirmatory and mechanism grids: which run belongs to which registered grid, how far
+each grid has come, and -- once every registered run of a grid has finished -- its registered verdicts.
+
+The grids, their rules and the rollout path they are recorded on are registered in
+``experiments/07_dose_threshold/analysis.yaml`` before their first run. A run belongs to one of these
+grids when its arm, rung, seed, evaluation size (``trainer.eval_samples`` x ``trainer.eval_size``
+completions) and step count are the grid's and it ran on the registered rollout path. Runs of the
+earlier grids (ladder, control, main: 1,024 evaluation completions, recorded before the path was named)
+never match, so the two sets are never mixed within a comparison.
+
+No verdict is printed for a grid before its registered seeds are all in: looking at a partial grid and
+stopping when it reads well is the optional stopping that pre-registration exists to rule out. Until
+then the report prints the grid's progress only.
+
+The rules (all one-sided 95 % t bounds over seeds, moerl.analysis.power.t_verdict):
+- ``regime_t`` (confirmatory_control): the fp32 control learns when the lower bound of its mean held-out
+  pass@1 gain is above 0.05 and no seed collapsed;
+- ``like_control_t``: arm - control (paired by seed) has its lower bound above -0.05 (yes) or its upper
+  bound below (no);
+- ``helps_t``: arm - baseline has its lower bound above 0; its power is computed at the registered
+  smallest effect (+0.025) from the grid's own paired spread;
+- ``acts_on_per_mechanism``: TIS's ratio-tail share and MIS / IcePop's masked share must reach the floor
+  in every seed for their "helps" to be tested; R3's re-routed share is reported beside it, not floored;
+- ``keeps_drifting`` (confirmatory_nvfp4_600): experiment 05's drift rule, late / early median k3 per seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moerl.analysis import power
+from moerl.analysis.verdicts import keeps_drifting
+
+# The grids analysis.yaml says are recorded on its rollout path (its comment above ``rollout_path``).
+PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism")
+DEFAULT_STEPS = 300
+RATIO_TAIL_ARMS = ("tis",)
+MASKED_ARMS = ("mis", "icepop")
+REROUTED_ARMS = ("r3", "r3_tis")
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    arms: tuple[str, ...]
+    rungs: tuple[str, ...]
+    seeds: tuple[int, ...]
+    eval_completions: int
+    steps: int
+    only: dict  # arm -> the rungs it runs at, where an arm does not run at every rung
+
+    @classmethod
+    def from_registered(cls, name: str, spec: dict) -> "Grid":
+        only = {}
+        if name == "mechanism":  # "qat_* at int4_kimi only" (analysis.yaml, grids.mechanism.runs)
+            only = {arm: ("int4_kimi",) for arm in spec["arms"] if arm.startswith("qat_")}
+        return cls(name, tuple(spec["arms"]), tuple(spec["rungs"]), tuple(spec["seeds"]),
+                   int(spec["eval_completions"]), int(spec.get("steps", DEFAULT_STEPS)), only)
+
+    def planned(self) -> list[tuple[str, str, int]]:
+        """Every registered (arm, rung, seed) of the grid."""
+        return [(a, r, s) for a in self.arms for r in self.only.get(a, self.rungs) for s in self.seeds]
+
+
+def rules_of(registered: dict) -> dict:
+    """Every registered rule's current value."""
+    return {name: spec["value"] for name, spec in registered["rules"].items()}
+
+
+def path_grids(registered: dict) -> dict[str, Grid]:
+    return {name: Grid.from_registered(name, registered["grids"][name]) for name in PATH_GRIDS
+            if name in registered["grids"]}
+
+
+def on_path(run: dict, registered: dict) -> bool:
+    """The run ran on the registered rollout path (its config names the path's key and value)."""
+    path = registered["rollout_path"]
+    return run.get("path", {}).get(path["key"]) == path["value"]
+
+
+def grid_of(run: dict, registered: dict) -> str | None:
+    """The path grid ``run`` belongs to, or None (a run of the earlier grids, or of none)."""
+    if not on_path(run, registered):
+        return None
+    for grid in path_grids(registered).values():
+        if ((run["arm"], run["rung"], run["seed"]) in grid.planned()
+                and run.get("eval_completions") == grid.eval_completions and run["steps_planned"] == grid.steps):
+            return grid.name
+    return None
+
+
+def finished(run: dict) -> bool:
+    return run.get("steps") == run.get("steps_planned")
+
+
+def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
+    """Per path grid: registered runs, finished runs, and whether the grid is complete."""
+    out = {}
+    for name, grid in path_grids(registered).items():
+        mine = {(r["arm"], r["rung"], r["seed"]): r for r in runs if grid_of(r, registered) == name}
+        done = sum(1 for key in grid.planned() if key in mine and finished(mine[key]))
+        out[name] = {"planned": len(grid.planned()), "finished": done, "started": len(mine),
+                     "complete": done == len(grid.planned())}
+    return out
+
+
+def _by_seed(runs: list[dict], grid: str, arm: str, rung: str, registered: dict) -> dict[int, dict]:
+    return {r["seed"]: r for r in runs
+            if grid_of(r, registered) == grid and r["arm"] == arm and r["rung"] == rung and finished(r)}
+
+
+def _gain(run: dict) -> float | None:
+    if run.get("pass1_start") is None or run.get("pass1_end") is None:
+        return None
+    return run["pass1_end"] - run["pass1_start"]
+
+
+def _paired(a: dict[int, dict], b: dict[int, dict], value) -> dict[int, float]:
+    pairs = {s: (value(a[s]), value(b[s])) for s in sorted(set(a) & set(b))}
+    return {s: x - y for s, (x, y) in pairs.items() if x is not None and y is not None}
+
+
+def _interval(values: dict[int, float]) -> dict:
+    interval = power.t_interval(values.values())
+    return {"n": len(values), "mean": interval[0] if interval else None,
+            "low": interval[1] if interval else None, "high": interval[2] if interval else None}
+
+
+def regime(controls: dict[int, dict], rule: dict) -> dict:
+    """``regime_t``: the control's mean gain has its one-sided lower bound above the registered value and
+    no seed collapsed."""
+    gains = {s: g for s, r in controls.items() if (g := _gain(r)) is not None}
+    collapsed = sorted(s for s, r in controls.items() if r.get("collapse_step") is not None)
+    verdict = power.t_verdict(gains.values(), rule["lower_bound_above"], alpha=1 - rule["level"])
+    if rule.get("no_collapse") and collapsed:
+        verdict = "no"
+    return {"verdict": verdict, "gain": _interval(gains), "collapsed_seeds": collapsed}
+
+
+def _acted(arm: str, runs: dict[int, dict], rule: dict) -> tuple[str | None, list[float], bool | None]:
+    """(measure, per-seed shares, acted) under ``acts_on_per_mechanism``: floored for the ratio tail and the
+    masked share, reported for re-routing (acted None)."""
+    measure = (rule["ratio_tail"] if arm in RATIO_TAIL_ARMS else rule["masked"] if arm in MASKED_ARMS
+               else rule["rerouted"] if arm in REROUTED_ARMS else None)
+    if measure is None:
+        return None, [], None
+    shares = [r["acts_on"].get(measure) for r in runs.values() if r.get("acts_on", {}).get(measure) is not None]
+    if arm in REROUTED_ARMS:
+        return measure, shares, None
+    return measure, shares, bool(shares) and len(shares) == len(runs) and min(shares) >= rule["floor"]
+
+
+def fp8_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
+    """The registered fp8 comparisons (``confirmatory_comparisons``), each with its t interval and power."""
+    grid = "confirmatory_fp8"
+    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    baseline = _by_seed(runs, grid, "baseline", "fp8", registered)
+    like, helps, acts = rules["like_control_t"], rules["helps_t"], rules["acts_on_per_mechanism"]
+    alpha = 1 - helps["level"]
+    final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
+    out = {}
+    behind = _paired(control, baseline, final)
+    out["baseline behind control"] = {"verdict": power.t_verdict(behind.values(), 0.0, alpha=alpha),
+                                      "difference": "control - baseline", **_interval(behind)}
+    spread = [d for d in (_paired(_by_seed(runs, grid, arm, "fp8", registered), baseline, final)
+                          for arm in registered["grids"][grid]["arms"] if arm != "baseline") if len(d) >= 2]
+    sd, _ = power.pooled_sd([list(d.values()) for d in spread])
+    for comparison in rules["confirmatory_comparisons"][grid]:
+        arm, kind = comparison.split(" ", 1)
+        if arm == "baseline":
+            continue
+        mine = _by_seed(runs, grid, arm, "fp8", registered)
+        if kind == "like_control":
+            diff = _paired(mine, control, final)
+            verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
+            out[comparison] = {"verdict": verdict, "difference": f"{arm} - control", **_interval(diff)}
+        elif kind == "helps":
+            diff = _paired(mine, baseline, final)
+            measure, shares, acted = _acted(arm, mine, acts)
+            verdict = power.t_verdict(diff.values(), helps["threshold"], alpha=alpha)
+            if acted is False:
+                verdict = "not tested"
+            n = len(diff)
+            out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff),
+                               "acts_on": {"measure": measure, "min": min(shares) if shares else None,
+                                           "floored": acted is not None},
+                               "power_at_smallest_effect": (power.power_t(helps["smallest_effect"], helps["threshold"],
+                                                                          sd, n, alpha) if sd == sd and n >= 2 else None)}
+    return out
+
+
+def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
+    """``keeps_drifting`` at nvfp4 over 600 steps: does the correction stop the drift or only delay it."""
+    grid = "confirmatory_nvfp4_600"
+    baseline = _by_seed(runs, grid, "baseline", "nvfp4", registered)
+    base_growth = [r["k3_growth"] for r in baseline.values() if r.get("k3_growth") is not None]
+    out = {}
+    for comparison in rules["confirmatory_comparisons"][grid]:
+        arm = comparison.split(" ", 1)[0]
+        mine = _by_seed(runs, grid, arm, "nvfp4", registered)
+        _, _, acted = _acted(arm, mine, rules["acts_on_per_mechanism"])
+        growth = [r["k3_growth"] for r in mine.values() if r.get("k3_growth") is not None]
+        out[comparison] = {"verdict": keeps_drifting(growth, base_growth, acted), "k3_growth": growth,
+                           "baseline_k3_growth": base_growth}
+    return out
+
+
+def report(runs: list[dict], registered: dict, rules: dict) -> dict:
+    """Progress of every path grid and the verdicts of the complete ones (the mechanism grid's rules are
+    reported by progress only until its analysis is written; it has not run)."""
+    status = progress(runs, registered)
+    out = {"progress": status, "verdicts": {}}
+    if status.get("confirmatory_control", {}).get("complete"):
+        controls = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+        out["verdicts"]["confirmatory_control"] = {"regime": regime(controls, rules["regime_t"])}
+        if status.get("confirmatory_fp8", {}).get("complete"):
+            out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules)
+        if status.get("confirmatory_nvfp4_600", {}).get("complete"):
+            out["verdicts"]["confirmatory_nvfp4_600"] = drift_verdicts(runs, registered, rules)
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The report's section: a progress table, then each complete grid's verdicts."""
+    lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
+             "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in.", "",
+             "| grid | registered runs | finished | started | verdicts |", "|---|---|---|---|---|"]
+    for name, p in result["progress"].items():
+        state = "computed below" if name in result["verdicts"] else (
+            "waits for confirmatory_control" if p["complete"] else "after the last registered run")
+        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {p['started']} | {state} |")
+    for grid, verdicts in result["verdicts"].items():
+        lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",
+                  "|---|---|---|---|---|"]
+        for name, v in verdicts.items():
+            interval = v.get("gain", v)
+            mean = (f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
+                    if interval.get("mean") is not None and interval.get("low") is not None else "—")
+            notes = []
+            if v.get("collapsed_seeds"):
+                notes.append(f"collapsed seeds {v['collapsed_seeds']}")
+            if v.get("power_at_smallest_effect") is not None:
+                notes.append(f"power {v['power_at_smallest_effect']:.2f} at the registered smallest effect")
+            if v.get("acts_on", {}).get("min") is not None:
+                notes.append(f"{v['acts_on']['measure']} ≥ {v['acts_on']['min']:.3f}"
+                             + ("" if v["acts_on"]["floored"] else " (reported, not floored)"))
+            if "k3_growth" in v:
+                notes.append("late / early k3 " + ", ".join(f"{g:.2f}" for g in v["k3_growth"]))
+            lines.append(f"| {name} | {v['verdict']} | {mean} | {interval.get('n', len(v.get('k3_growth', [])))} | "
+                         f"{'; '.join(notes)} |")
+    return "\n".join(lines) + "\n"

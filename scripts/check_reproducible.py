@@ -86,18 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     experiment = Path(args.experiment)
     from moerl.analysis.results import run_names
 
-    runs = [Path(args.recorded) / experiment.name / name / f"seed{args.seed}" for name in run_names(args.arm)]
+    runs = [Path(args.recorded) / experiment.name / name / f"seed{args.seed}"
+            for name in run_names(args.arm, experiment.name)]
     run = next((r for r in runs if r.exists()), runs[0])
     recorded = read_metrics(run / "metrics.jsonl")
     if not recorded:
         sys.exit(f"check_reproducible: no recorded run at {run} (expected metrics.jsonl)")
     # A run named <arm>+key-value+... (recorded before: <arm>+key=value,...) was made from the arm's
     # file with those overrides.
-    from moerl.config import legacy_run_label
+    # An arm's former name (moerl.config.RENAMED_ARMS) runs its current file, under its current name.
+    from moerl.config import arm_file, current_arm, legacy_run_label
 
-    arm, _, named = legacy_run_label(args.arm).partition("+")
+    arm, _, named = legacy_run_label(current_arm(experiment.name, args.arm)).partition("+")
     name_overrides = [o for o in named.split(",") if o]
-    arm_yaml = experiment / "arms" / f"{arm}.yaml"
+    arm_yaml = arm_file(experiment / "arms" / f"{arm}.yaml")
     if not arm_yaml.exists():
         sys.exit(f"check_reproducible: no arm config {arm_yaml}")
     recorded_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}

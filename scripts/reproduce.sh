@@ -16,6 +16,10 @@ EXP=experiments/00_tiny_moe_cpu
 OUT=results/reproduce
 ARMS=("$@")
 [ ${#ARMS[@]} -gt 0 ] || ARMS=(baseline fp32_rollout r3)
+# An arm's former name (moerl.config.RENAMED_ARMS, e.g. mis) is run, skipped and compared under its current one.
+current=$($PY -c 'import sys; from moerl.config import current_arm
+print("\n".join(current_arm("00_tiny_moe_cpu", a) for a in sys.argv[1:]))' "${ARMS[@]}")
+mapfile -t ARMS <<< "$current"
 
 $PY scripts/warm_start.py $EXP/base.yaml
 for arm in "${ARMS[@]}"; do

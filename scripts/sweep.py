@@ -121,6 +121,9 @@ def discover_arms(experiment_dir: Path, wanted: list[str] | None) -> dict[str, P
     if not arms:
         raise SystemExit(f"{arms_dir}: no arm YAML files")
     if wanted:
+        from moerl.config import current_arm
+
+        wanted = [current_arm(experiment_dir.name, a) for a in wanted]  # an arm's former name: its current one
         unknown = [a for a in wanted if a not in arms]
         if unknown:
             raise SystemExit(f"unknown arm(s) {unknown} in {arms_dir} (have: {sorted(arms)})")

@@ -86,7 +86,7 @@ def section_experiments(results: Path) -> str:
 
 
 # -- experiment 00 ---------------------------------------------------------------------------------
-ARMS_00 = ["fp32_rollout", "baseline", "r2", "r3", "tis", "mis", "icepop", "deepseek_baseline", "deepseek_r3"]
+ARMS_00 = ["fp32_rollout", "baseline", "r2", "r3", "tis", "geo_mis_3pct", "icepop", "deepseek_baseline", "deepseek_r3"]
 
 
 def section_00(runs_root: Path) -> str:

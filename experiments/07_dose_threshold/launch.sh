@@ -45,7 +45,7 @@ case "$ARM" in
     [[ ${#words[@]} -ge 1 ]] || { echo "usage: launch.sh main RUNG [BELOW] [key=value ...]" >&2; exit 2; }
     sweep --arms fp32_control --seeds 3
     for rung in "${words[@]}"; do
-      sweep --arms baseline,r3,tis,r3_tis,icepop,mis --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
+      sweep --arms baseline,r3,tis,r3_tis,icepop,geo_mis_0p1pct --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
     done ;;
   confirm|mechanism)
     # the rollout path every run of these grids is recorded on, from the registered analysis (one line out)
@@ -67,6 +67,6 @@ case "$ARM" in
   "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | confirm | mechanism | ARM [--seed N] | --smoke [ARM]" \
         "[key=value ...]" >&2; exit 2 ;;
   *)
-    [ -f "$exp/arms/$ARM.yaml" ] || { echo "error: $exp/arms/$ARM.yaml: no such arm (have: $(ls $exp/arms | sed 's/\.yaml//' | tr '\n' ' '))" >&2; exit 2; }
+    # run.py names the arms there when ARM is none of them; an arm's former name loads its current file.
     exec "$PY" scripts/run.py "$exp/arms/$ARM.yaml" "tracking.output_dir=$RUNS" "${REST[@]+"${REST[@]}"}" ;;
 esac

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.analysis import power  # noqa: E402
-from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GRID_SEEDS, MATCH_MARGIN,  # noqa: E402
+from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO_MIS, GRID_SEEDS, MATCH_MARGIN,  # noqa: E402
                                  MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold, control_learns,
                                  dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
                                  mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
@@ -387,14 +387,15 @@ def masking_claim(runs: list[dict], rung: str):
 
     from moerl.analysis import claims
 
-    chosen = [r for r in runs if r["arm"] in ("baseline", "mis", "icepop") and r["rung"] == rung
+    chosen = [r for r in runs if r["arm"] in ("baseline", GEO_MIS, "icepop") and r["rung"] == rung
               and r["steps"] == r["steps_planned"]]
     if not any(r["arm"] != "baseline" for r in chosen):
         return None
     rows = [{"arm": r["arm"], "seed": r["seed"], **m} for r in chosen
             for m in read_metrics(Path(r["run_dir"]) / "metrics.jsonl")]
     metrics = pd.DataFrame(rows)
-    claim = claims.claim_masking(metrics, pd.DataFrame([{"arm": r["arm"], "seed": r["seed"]} for r in chosen]))
+    claim = claims.claim_masking(metrics, pd.DataFrame([{"arm": r["arm"], "seed": r["seed"]} for r in chosen]),
+                                 arms=(GEO_MIS, "icepop"))
     return claim, masking_trend_caveat(metrics, claim.verdict)
 
 
@@ -413,7 +414,7 @@ def masking_trend_caveat(metrics, verdict: str) -> str:
     def per_seed(series, arm):
         return list(series[arm].values) if arm in series.index.get_level_values(0) else []
 
-    fell = [l_ < e for arm in ("mis", "icepop") if verdicts.acts_on(per_seed(masked, arm))
+    fell = [l_ < e for arm in (GEO_MIS, "icepop") if verdicts.acts_on(per_seed(masked, arm))
             for e, l_ in zip(per_seed(early, arm), per_seed(late, arm))]
     if fell and not any(fell):
         return (" — on the level only: the share of tokens keeping a gradient did not fall from the first to the "

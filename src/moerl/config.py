@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -309,12 +312,56 @@ class ExperimentConfig:
         older spelling of the same overrides (``key=value,...``) is found there, so it is skipped or
         resumed instead of started again."""
         path = Path(self.tracking.output_dir) / self.run_name
+        if path.exists():
+            return path
         legacy = getattr(self, "legacy_variant", "")
-        if legacy and legacy != self.variant and not path.exists():
-            old = Path(self.tracking.output_dir) / self.experiment / f"{self.arm}+{legacy}" / f"seed{self.seed}"
-            if old.exists():
-                return old
+        variants = [self.variant] + ([legacy] if legacy and legacy != self.variant else [])
+        # A run recorded under the arm's former name (RENAMED_ARMS) or the older spelling of its overrides.
+        for arm in (self.arm, *former_arms(self.experiment, self.arm)):
+            for variant in variants:
+                old = Path(self.tracking.output_dir) / self.experiment / f"{arm}{'+' + variant if variant else ''}" \
+                    / f"seed{self.seed}"
+                if old.exists():
+                    return old
         return path
+
+
+# Arms renamed so that a name says its estimator and band: ``mis`` was three estimators (experiment 00:
+# geometric-mean ratio in [0.97, 1.03]; 05: verl's Seq-MIS, the sequence product in [0.5, 2]; 07: geometric
+# in [0.999, 1.001]). Per experiment, former name -> current name: the one table of renamed arms. An arm file
+# named by its former name (``arms/mis.yaml``) loads the current one (arm_file), and a run recorded under the
+# former name (its directory and its config.yaml's ``arm:``) is found, skipped, resumed and loaded under the
+# current one (ExperimentConfig.run_dir, config_diff, moerl.analysis.results). Recorded runs keep their names.
+RENAMED_ARMS = {
+    "00_tiny_moe_cpu": {"mis": "geo_mis_3pct"},
+    "05_mismatch_consequences": {"mis": "seq_mis"},
+    "07_dose_threshold": {"mis": "geo_mis_0p1pct"},
+}
+
+
+def current_arm(experiment: str, label: str) -> str:
+    """A run label ``arm[+overrides]`` with its arm under its current name (RENAMED_ARMS)."""
+    arm, sep, rest = str(label).partition("+")
+    return RENAMED_ARMS.get(experiment, {}).get(arm, arm) + sep + rest
+
+
+def former_arms(experiment: str, arm: str) -> list[str]:
+    """The former names of ``arm`` (given by its current or a former name) in ``experiment``."""
+    current = current_arm(experiment, arm)
+    return [old for old, new in RENAMED_ARMS.get(experiment, {}).items() if new == current]
+
+
+def arm_file(path: str | Path) -> Path:
+    """``path``; or, when it is ``<experiment>/arms/<former name>.yaml`` of a renamed arm and not there, the
+    file of the arm's current name (so commands written with the old name keep working)."""
+    path = Path(path)
+    if path.exists() or path.parent.name != "arms" or path.suffix != ".yaml":
+        return path
+    renamed = RENAMED_ARMS.get(path.parent.parent.name, {}).get(path.stem)
+    if renamed is None:
+        return path
+    log.info("%s: former name of arm %r, loading %s", path, renamed, path.with_name(f"{renamed}.yaml"))
+    return path.with_name(f"{renamed}.yaml")
 
 
 def usable_cores() -> int:
@@ -352,9 +399,21 @@ def identity_dict(cfg: ExperimentConfig) -> dict:
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
-    """Short hash of the run's identity: two runs with the same hash compute the same thing."""
-    blob = json.dumps(identity_dict(cfg), sort_keys=True, default=str)
+    """Short hash of the run's identity: two runs with the same hash compute the same thing. The arm's
+    name is part of the identity: a run of a renamed arm hashes differently under its former name."""
+    return _identity_hash(identity_dict(cfg))
+
+
+def _identity_hash(identity: dict) -> str:
+    blob = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def config_hashes(cfg: ExperimentConfig) -> list[str]:
+    """config_hash, then the hash of the same run under each former name of its arm (RENAMED_ARMS): the
+    hashes a checkpoint of this run may carry (one written before the arm was renamed carries its old one)."""
+    identity = identity_dict(cfg)
+    return [config_hash(cfg), *(_identity_hash({**identity, "arm": old}) for old in former_arms(cfg.experiment, cfg.arm))]
 
 
 # Keys added after runs were recorded, with the value those runs computed with: a recorded identity
@@ -372,6 +431,8 @@ def with_legacy_values(identity: dict) -> dict:
 def config_diff(a: dict, b: dict) -> list[str]:
     """``key: a -> b`` for every flattened key whose value differs between two identity dicts."""
     a, b = with_legacy_values(a), with_legacy_values(b)
+    # An arm's former name is the same arm (RENAMED_ARMS): a run recorded under it is not another config.
+    a, b = ({**d, "arm": current_arm(d.get("experiment", ""), d["arm"])} if "arm" in d else d for d in (a, b))
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
 
@@ -538,7 +599,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> dict:
     if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
+        arms = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.name == "arms" else []
+        raise ConfigError(f"config file not found: {path}" + (f" (arms there: {', '.join(arms)})" if arms else ""))
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
@@ -634,7 +696,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    layers: list[tuple[str, dict]] = _layers_with_bases(Path(path)) if path is not None else []
+    path = arm_file(path) if path is not None else None
+    layers: list[tuple[str, dict]] = _layers_with_bases(path) if path is not None else []
     parsed = [(item, parse_override(item)) for item in overrides or []]
     layers += [(f"command-line override '{item}'", data) for item, data in parsed]
     merged: dict = {}

@@ -22,9 +22,12 @@ import pandas as pd
 
 from moerl.analysis import verdicts
 from moerl.analysis.collapse import collapse_step
+from moerl.config import current_arm
 
 WINDOW = verdicts.EARLY_LATE_WINDOW
 EXPERIMENT = "05_mismatch_consequences"
+# The arms that drop tokens or sequences from the gradient: sequence-level MIS (verl's Seq-MIS) and IcePop.
+MASKING_ARMS = (current_arm(EXPERIMENT, "mis"), "icepop")
 
 
 @dataclass
@@ -239,12 +242,13 @@ def claim_tis(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
                  "> 1.2× in every seed; no: in none; inconclusive: the seeds disagree")
 
 
-def claim_masking(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
+def claim_masking(metrics: pd.DataFrame, runs: pd.DataFrame, arms: tuple[str, ...] = MASKING_ARMS) -> Claim:
+    """``arms``: the arms that mask tokens (experiment 07 passes its own MIS arm)."""
     early = window_mean(metrics, "effective/token_frac", "early")
     late = window_mean(metrics, "effective/token_frac", "late")
     masked = window_mean(metrics, "mask/token_frac")
     parts, answers, acted = [], [], []
-    for arm in ("mis", "icepop"):
+    for arm in arms:
         e, l_ = _arm_values(early, arm), _arm_values(late, arm)
         if not e:
             continue

@@ -49,6 +49,7 @@ import yaml
 
 from moerl.analysis import power, registration
 from moerl.analysis.collapse import collapse_step
+from moerl.config import current_arm
 from moerl.tracking import read_metrics
 from moerl.analysis.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
                             by_threshold, gate, keeps_drifting)
@@ -73,15 +74,18 @@ GRID_SEEDS = registered("regime_seeds")  # seeds per arm and rung in the main gr
 MECHANISM_RUNGS = tuple(REGISTERED["grids"]["mechanism"]["rungs"])
 # The trainer-side mitigation of the Kimi rung: fake-quantised INT4 masters, alone, with R3, with TIS.
 QAT_ARMS = tuple(a for a in REGISTERED["grids"]["mechanism"]["arms"] if a.startswith("qat_"))
-MITIGATIONS = ("tis", "mis", "icepop", "r3", "r3_tis", *QAT_ARMS)  # the grid's arms besides baseline and control
+GEO_MIS = current_arm(EXPERIMENT, "mis")  # geometric MIS, band [0.999, 1.001] (registered as ``mis``)
+MITIGATIONS = ("tis", GEO_MIS, "icepop", "r3", "r3_tis", *QAT_ARMS)  # the grid's arms besides baseline and control
 # TIS's weight departs from 1 by a factor of 2 or more: ρ outside [1/C, C] (C = loss.tis_cap).
 TIS_REWEIGHTED = "is/outside_band_frac"
 # What each mitigation acts on, per run (run mean of a per-step share of response tokens): the registered
 # measure, and the one first written before the grid (TIS's truncated share). The fake-quantised trainer
 # acts on every weight, not on a share of tokens: no floor applies to it alone; with TIS, TIS's tail counts.
 _QAT_ACTS_ON = {"qat_int4_tis": TIS_REWEIGHTED}
-ACTS_ON = {**registered("acts_on_measure"), **_QAT_ACTS_ON}
-ACTS_ON_PREREGISTERED = {**registered("acts_on_measure", first_written=True), **_QAT_ACTS_ON}
+# The registered file names arms as written then (``mis``): read under their current names.
+ACTS_ON = {**{current_arm(EXPERIMENT, a): m for a, m in registered("acts_on_measure").items()}, **_QAT_ACTS_ON}
+ACTS_ON_PREREGISTERED = {**{current_arm(EXPERIMENT, a): m for a, m in registered("acts_on_measure", first_written=True).items()},
+                         **_QAT_ACTS_ON}
 ACTS_ON_FLOOR = registered("acts_on_floor")
 MATCH_MARGIN = registered("match_margin")["margin"]  # "trains like the control": at most this far below it
 MATCH_SIDED_FIRST = registered("match_margin", first_written=True)["sided"]  # "two": within the margin either way
@@ -166,7 +170,7 @@ def load_runs(root: str | Path) -> list[dict]:
                      f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
                      f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
             recorded = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
-            runs.append({"arm": cfg["arm"], "rung": rollout["dtype"], "seed": int(cfg["seed"]),
+            runs.append({"arm": current_arm(EXPERIMENT, cfg["arm"]), "rung": rollout["dtype"], "seed": int(cfg["seed"]),
                          "registration": recorded.get("registration"),
                          "steps_planned": cfg["trainer"]["steps"], "setup": setup, "run_dir": str(run), **summary})
     return runs

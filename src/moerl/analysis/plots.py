@@ -41,7 +41,10 @@ ARM_COLORS = {
     "r3": "#1f77b4",
     "r3_tis": "#17becf",
     "tis": "#2ca02c",
-    "mis": "#98df8a",
+    "mis": "#98df8a",  # the former name of the three MIS arms below
+    "geo_mis_3pct": "#98df8a",  # 00: geometric MIS, band [0.97, 1.03]
+    "seq_mis": "#98df8a",  # 05: sequence-level MIS (verl's Seq-MIS), band [0.5, 2]
+    "geo_mis_0p1pct": "#98df8a",  # 07: geometric MIS, band [0.999, 1.001]
     "icepop": "#bcbd22",
     "gspo": "#8c564b",
     "ppo_tight_clip": "#c49c94",
@@ -92,7 +95,7 @@ LOG_METRICS = {"mismatch/k3", "mismatch/k3_max", "mismatch/dp_max", "mismatch/ex
 
 def base_arm(run: str) -> str:
     """The arm a run name belongs to: the name before its first ``+`` (``tis+rollout.dtype=fp8`` ->
-    ``tis``). A name that only extends a known arm (``mis_geometric``) belongs to that arm."""
+    ``tis``). A name that only extends a known arm (``tis_cap3``) belongs to that arm."""
     arm = run.split("+", 1)[0]
     if arm in ARM_COLORS:
         return arm

@@ -178,11 +178,21 @@ class Registration:
             raise RegistrationError(f"{self.path}: no rule {rid!r} (registered: {sorted(self.rules)})")
         return self.rules[rid]["value"]
 
+    def grid_arms(self, grid: str) -> set[str]:
+        """The arms a grid registered, each under its current name (moerl.config.RENAMED_ARMS): the file
+        stays as it was written, a renamed arm's runs (loaded under the current name) still belong to it.
+        A run dict may carry either name."""
+        from moerl.config import current_arm
+
+        experiment = str(self.data.get("experiment") or self.path.parent.name)
+        written = self.data["grids"][grid].get("arms", [])
+        return set(written) | {current_arm(experiment, a) for a in written}
+
     def grid_started(self, grid: str) -> dt.datetime | None:
         """The grid's first run start: the earliest ``registration.started`` its runs recorded, else the
         ``first_run_started`` the file states (recorded before runs carried it); None: not started."""
         spec = self.data["grids"][grid]
-        arms, rungs = set(spec.get("arms", [])), set(spec.get("rungs", []))
+        arms, rungs = self.grid_arms(grid), set(spec.get("rungs", []))
         starts = []
         for run in self.runs:
             reg = run.get("registration")
@@ -198,7 +208,7 @@ class Registration:
     def _first_hash_version(self, grid: str) -> Version | None:
         """The committed version of this file whose hash the grid's earliest recording run carries."""
         spec = self.data["grids"][grid]
-        arms, rungs = set(spec.get("arms", [])), set(spec.get("rungs", []))
+        arms, rungs = self.grid_arms(grid), set(spec.get("rungs", []))
         recorded = sorted((r["registration"]["started"], r["registration"]["sha256"]) for r in self.runs
                           if r.get("registration") and (not arms or r.get("arm") in arms)
                           and (not rungs or r.get("rung") in rungs))

@@ -4,7 +4,8 @@ samples/*.npz) or from wandb's public API (cluster runs of verl, their metric na
 repo's).
 
 A run directory is ``<root>/<experiment>/<arm>/seed<k>/``. A killed run's truncated last line is
-dropped with a warning naming the file; a run that is asked for but missing is reported by name.
+dropped with a warning naming the file; a run that is asked for but missing is reported by name. A run
+recorded under an arm's former name (moerl.config.RENAMED_ARMS) loads under its current name.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def find_runs(root: str | Path) -> dict[RunKey, Path]:
     root = Path(root)
     if not root.exists():
         raise MissingRunError(f"{root} does not exist: no recorded runs there")
+    from moerl.config import current_arm
+
     out = {}
     for metrics in sorted(root.glob("**/seed*/metrics.jsonl")):
         run = metrics.parent
@@ -76,7 +79,13 @@ def find_runs(root: str | Path) -> dict[RunKey, Path]:
             seed = int(run.name.removeprefix("seed"))
         except ValueError:
             continue
-        out[RunKey(run.parent.parent.name, run.parent.name, seed)] = run
+        experiment = run.parent.parent.name
+        key = RunKey(experiment, current_arm(experiment, run.parent.name), seed)
+        if key in out:  # one run under an arm's former and current name: neither can be chosen silently
+            raise ValueError(f"{out[key]} and {run} are the same run ({key.arm}/seed{seed}; "
+                             f"{run.parent.name if key.arm != run.parent.name else out[key].parent.name} is the "
+                             f"arm's former name): move one of them out of {root}")
+        out[key] = run
     return out
 
 
@@ -116,6 +125,7 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
     if experiment is not None:
         runs = {k: v for k, v in runs.items() if k.experiment == experiment}
     if arms is not None:
+        arms = [_current(a, experiment) for a in arms]
         missing = [a for a in arms if not any(k.arm == a for k in runs)]
         if missing:
             raise MissingRunError(f"no recorded run for arm(s) {missing} under {Path(root)}"
@@ -133,24 +143,41 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
     return pd.concat(frames, ignore_index=True, sort=False)
 
 
-def run_names(arm: str) -> list[str]:
-    """The directory names a run of ``arm`` (``<arm>[+<overrides>]``) may have: as written, and in the
-    other spelling of its overrides (``key-value+...`` now, ``key=value,...`` for runs recorded before)."""
-    from moerl.config import legacy_run_label
+def _current(arm: str, experiment: str | None) -> str:
+    """``arm`` under its current name in ``experiment`` (unchanged without one)."""
+    from moerl.config import current_arm
 
-    legacy = legacy_run_label(arm)
-    if legacy != arm:
-        return [arm, legacy]
-    base, _, rest = arm.partition("+")
-    if "=" in rest and "[" not in rest:
-        return [arm, base + "+" + "+".join(p.replace("=", "-", 1) for p in rest.split(","))]
-    return [arm]
+    return current_arm(experiment, arm) if experiment else arm
+
+
+def run_names(arm: str, experiment: str | None = None) -> list[str]:
+    """The directory names a run of ``arm`` (``<arm>[+<overrides>]``) may have: as written, and in the
+    other spelling of its overrides (``key-value+...`` now, ``key=value,...`` for runs recorded before);
+    with ``experiment``, also under the arm's current and former names (moerl.config.RENAMED_ARMS)."""
+    from moerl.config import former_arms, legacy_run_label
+
+    base, sep, rest = arm.partition("+")
+    bases = [base]
+    if experiment:
+        current = _current(base, experiment)
+        bases = list(dict.fromkeys([base, current, *former_arms(experiment, current)]))
+    names = []
+    for name in (b + sep + rest for b in bases):
+        legacy = legacy_run_label(name)
+        if legacy != name:
+            names += [name, legacy]
+        elif "=" in rest and "[" not in rest:
+            names += [name, name.partition("+")[0] + "+" + "+".join(p.replace("=", "-", 1) for p in rest.split(","))]
+        else:
+            names.append(name)
+    return names
 
 
 def load_run(root: str | Path, experiment: str, arm: str, seed: int) -> pd.DataFrame:
-    """The metrics of one run (under either spelling of its name, ``run_names``), or MissingRunError
-    naming the run directory that is not there."""
-    runs = [Path(root) / experiment / name / f"seed{seed}" for name in run_names(arm)]
+    """The metrics of one run (under either spelling of its name and any name of its arm, ``run_names``),
+    or MissingRunError naming the run directory that is not there. Rows carry the arm's current name."""
+    arm = _current(arm, experiment)
+    runs = [Path(root) / experiment / name / f"seed{seed}" for name in run_names(arm, experiment)]
     run = next((r for r in runs if (r / "metrics.jsonl").exists()), runs[0])
     if not (run / "metrics.jsonl").exists():
         have = sorted(f"{k.arm}/seed{k.seed}" for k in find_runs(root) if k.experiment == experiment) \
@@ -257,6 +284,8 @@ def select_arms(frame: pd.DataFrame, arms: list[str] | str | None) -> pd.DataFra
     if not arms:
         return frame
     have = sorted(frame["arm"].unique())
+    experiments = frame["experiment"].unique() if "experiment" in frame else []
+    arms = [next((c for c in (_current(a, e) for e in experiments) if c in have), a) for a in arms]  # former names
     missing = [a for a in arms if a not in have]
     if missing:
         raise MissingRunError(f"arm(s) {missing} not recorded (have: {have})")
@@ -266,6 +295,7 @@ def select_arms(frame: pd.DataFrame, arms: list[str] | str | None) -> pd.DataFra
 def load_token_samples(root: str | Path, experiment: str | None = None, arms: list[str] | None = None) -> pd.DataFrame:
     """Per-token samples (rollout vs trainer logprob, IS weight, flags) saved every N steps."""
     frames = []
+    arms = None if arms is None else [_current(a, experiment) for a in arms]
     for key, run in find_runs(root).items():
         if (experiment is not None and key.experiment != experiment) or (arms is not None and key.arm not in arms):
             continue
@@ -401,13 +431,19 @@ def run_table(root: str | Path, experiment: str) -> pd.DataFrame:
         wall = train.groupby(["arm", "seed"])["time/step"].sum().rename("wall/train_s").reset_index()
         summ = summ.merge(wall, on=["arm", "seed"], how="left")
     sweep = load_sweep(Path(root) / experiment) or {}
-    per_run = sweep.get("runs", {})
+    per_run = {_sweep_key(experiment, name): v for name, v in sweep.get("runs", {}).items()}
     summ["wall/run_s"] = [per_run.get(f"{a}/seed{s}", {}).get("seconds", np.nan)
                           for a, s in zip(summ["arm"], summ["seed"])]
     stats = run_statistics(metrics)
     summ = summ.drop(columns=[c for c in stats if c not in ("arm", "seed")], errors="ignore")
     summ = summ.merge(stats, on=["arm", "seed"], how="left")
     return summ.sort_values(["arm", "seed"]).reset_index(drop=True)
+
+
+def _sweep_key(experiment: str, name: str) -> str:
+    """A sweep.json run key ``<arm>[+<overrides>]/seed<k>`` with the arm under its current name."""
+    label, sep, seed = name.rpartition("/")
+    return f"{_current(label, experiment)}{sep}{seed}" if sep else name
 
 
 def run_statistics(metrics: pd.DataFrame) -> pd.DataFrame:

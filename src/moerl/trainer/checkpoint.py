@@ -206,9 +206,9 @@ def _read(path: Path) -> tuple[dict, dict, dict, dict]:
     return tensors, optimizer, rng, state
 
 
-def verify_checkpoint(path: Path, config_hash: str | None = None, unverified_ok: bool = False) -> None:
+def verify_checkpoint(path: Path, config_hash: str | list[str] | None = None, unverified_ok: bool = False) -> None:
     """Check a checkpoint against its manifest (every file's checksum, and the config hash when
-    given), then that every file reads. DamagedCheckpointError names the file; a checkpoint of
+    given: one hash, or the hashes one run may carry, moerl.config.config_hashes), then that every file reads. DamagedCheckpointError names the file; a checkpoint of
     another config is a RunMismatchError. A checkpoint without a manifest is damaged, unless
     ``unverified_ok`` (a run that predates manifests, or asked for): then only the reading is checked,
     with a warning."""
@@ -229,9 +229,10 @@ def verify_checkpoint(path: Path, config_hash: str | None = None, unverified_ok:
         except (ValueError, KeyError, TypeError) as err:
             raise DamagedCheckpointError(f"{manifest_path}: cannot be read ({_first_line(err)})") from err
         recorded = manifest.get("config_hash")
-        if config_hash is not None and recorded is not None and recorded != config_hash:
+        accepted = [config_hash] if isinstance(config_hash, str) else list(config_hash or [])
+        if accepted and recorded is not None and recorded not in accepted:
             raise RunMismatchError(f"{path} was written by a run of config hash {recorded}, this config's hash is "
-                                   f"{config_hash}: cannot resume it with another config; use the run's own config "
+                                   f"{accepted[0]}: cannot resume it with another config; use the run's own config "
                                    f"(see --print-config), or --fresh")
         for name, digest in files.items():
             file = path / name
@@ -316,13 +317,13 @@ def resumable_checkpoint(run_dir: Path, cfg, unverified_ok: bool = False) -> Pat
         when = f"its first checkpoint at step {every}" if every else "its only checkpoint, at the end"
         raise CheckpointError(f"{run_dir}: no checkpoint to resume from (the run stopped before {when}); "
                               f"start it over with --fresh")
-    from moerl.config import config_hash
+    from moerl.config import config_hashes
 
     damaged = []
     unverified_ok = unverified_ok or predates_manifests(run_dir)
     for path in reversed(saved):
         try:
-            verify_checkpoint(path, config_hash(cfg), unverified_ok)
+            verify_checkpoint(path, config_hashes(cfg), unverified_ok)
         except DamagedCheckpointError as err:
             damaged.append((path, err))
             continue

@@ -47,8 +47,8 @@ def runs_on(experiment: Path) -> tuple[str, str]:
 
 
 def loss_label(cfg) -> str:
-    """The estimator and its band or cap, the way the arm names alone do not say it (``mis`` is a
-    geometric band in one experiment and a sequence product in another)."""
+    """The estimator and its band or cap, resolved from the arm's config (the name says the estimator
+    where arms differ in it, ``geo_mis_3pct``, ``seq_mis``; this says every setting)."""
     lo = cfg.loss
     if lo.variant == "tis":
         return f"{lo.is_level} TIS, cap {lo.tis_cap:g}"
@@ -64,7 +64,7 @@ def loss_label(cfg) -> str:
 
 
 def arm_lines(experiment: Path) -> list[str]:
-    from moerl.config import load_config
+    from moerl.config import former_arms, load_config
 
     lines = []
     for path in sorted((experiment / "arms").glob("*.yaml")):
@@ -73,7 +73,9 @@ def arm_lines(experiment: Path) -> list[str]:
             cfg = load_config(path)
             settings = (f"  [{loss_label(cfg)}; replay {cfg.replay.mode}; rollout {cfg.rollout.dtype}"
                         f"{'; ' + cfg.model.preset if cfg.model.preset != 'qwen3_moe' else ''}]")
-        lines.append(f"  {path.stem:26s} {first_comment(path) or '-'}{settings}")
+        former = former_arms(experiment.name, path.stem)
+        renamed = f" (formerly {', '.join(former)})" if former else ""
+        lines.append(f"  {path.stem:26s} {first_comment(path) or '-'}{settings}{renamed}")
     return lines
 
 

@@ -54,9 +54,9 @@ def test_r3_and_position_bug_verdicts():
 
 
 def test_masking_and_tis_verdicts():
-    halting = {"baseline": {}, "mis": dict(effective=lambda step: 1.0 - step / STEPS)}
+    halting = {"baseline": {}, "seq_mis": dict(effective=lambda step: 1.0 - step / STEPS)}
     assert by_claim(halting, claims.claim_masking).verdict == "yes"
-    flat = {"baseline": {}, "mis": dict(effective=0.97), "icepop": dict(effective=0.999)}
+    flat = {"baseline": {}, "seq_mis": dict(effective=0.97), "icepop": dict(effective=0.999)}
     assert by_claim(flat, claims.claim_masking).verdict == "no"
     # No drift in the baseline: the TIS claim cannot be tested, and the table says so.
     tis = by_claim({"baseline": {}, "tis": {"is/truncated_frac": 0.05}}, claims.claim_tis)

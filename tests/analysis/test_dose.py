@@ -52,7 +52,7 @@ def summaries(pass1_ends, collapse=(), acts=0.05, key="is/outside_band_frac", k3
 
 
 def test_mitigation_verdicts_on_paired_seeds():
-    from moerl.analysis.dose import mitigation_verdicts
+    from moerl.analysis.dose import GEO_MIS, mitigation_verdicts
 
     control = summaries([0.66, 0.67, 0.65])
     baseline = summaries([0.40, 0.45, 0.30], collapse=(2,))
@@ -68,7 +68,7 @@ def test_mitigation_verdicts_on_paired_seeds():
     # the baseline's three seeds).
     all_collapse = summaries([0.40, 0.45, 0.30], collapse=(0, 1, 2))
     two = summaries([0.2, 0.2], collapse=(0, 1), key="mask/token_frac", acts=0.8)
-    assert mitigation_verdicts("mis", two, all_collapse, control)["prevents_collapse"] == "no"
+    assert mitigation_verdicts(GEO_MIS, two, all_collapse, control)["prevents_collapse"] == "no"
 
 
 def test_mitigation_verdicts_say_not_tested_when_the_regime_cannot_show_it():

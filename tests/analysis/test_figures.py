@@ -156,22 +156,24 @@ def test_zeros_stay_on_a_log_panel_and_an_outlier_arm_does_not_set_the_scale():
 
 
 def test_a_run_with_overrides_takes_its_base_arms_colour_and_its_rung_a_line_style():
-    fp8, nvfp4 = "mis+rollout.dtype=fp8", "mis+rollout.dtype=nvfp4"
-    assert plots.base_arm(fp8) == "mis" and plots.run_variant(fp8) == "rollout.dtype=fp8"
-    assert plots.arm_color(fp8) == plots.arm_color(nvfp4) == plots.ARM_COLORS["mis"]
+    fp8, nvfp4 = "geo_mis_0p1pct+rollout.dtype=fp8", "geo_mis_0p1pct+rollout.dtype=nvfp4"
+    assert plots.base_arm(fp8) == "geo_mis_0p1pct" and plots.run_variant(fp8) == "rollout.dtype=fp8"
+    assert plots.arm_color(fp8) == plots.arm_color(nvfp4) == plots.ARM_COLORS["geo_mis_0p1pct"]
     assert plots.arm_color("r3_tis+rollout.dtype=fp8") == plots.ARM_COLORS["r3_tis"] != plots.ARM_COLORS["r3"]
     assert plots.arm_color("fp32_control") == plots.arm_color("fp32_rollout")
-    assert plots.arm_color("mis_geometric") == plots.ARM_COLORS["mis"]  # a name extending a known arm keeps its hue
+    assert plots.arm_color("tis_cap3") == plots.ARM_COLORS["tis"]  # a name extending a known arm keeps its hue
+    # the MIS arms, named for their estimator and band, keep the hue their former name had
+    assert {plots.arm_color(a) for a in ("geo_mis_3pct", "seq_mis", "geo_mis_0p1pct", "mis")} == {plots.arm_color("mis")}
     # the rung is told apart by line style and marker, the same rung alike in every arm
     assert plots.arm_style(fp8)["ls"] != plots.arm_style(nvfp4)["ls"]
     assert plots.arm_style(fp8)["marker"] != plots.arm_style(nvfp4)["marker"]
     assert plots.arm_style("baseline+rollout.dtype=fp8")["ls"] == plots.arm_style(fp8)["ls"]
-    assert plots.arm_style("mis")["ls"] == "-"
-    assert plots.arm_style("mis+rollout.dtype-fp8") == plots.arm_style(fp8)  # the newer spelling of the name
+    assert plots.arm_style("geo_mis_0p1pct")["ls"] == "-"
+    assert plots.arm_style("geo_mis_0p1pct+rollout.dtype-fp8") == plots.arm_style(fp8)  # the newer spelling of the name
     fig = plots.curves(_frame([fp8, nvfp4, "baseline"]), [("mismatch/k3", "k3")], "t")
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert mcolors.to_rgba(lines[fp8].get_color()) == mcolors.to_rgba(lines[nvfp4].get_color()) \
-        == mcolors.to_rgba(plots.ARM_COLORS["mis"])
+        == mcolors.to_rgba(plots.ARM_COLORS["geo_mis_0p1pct"])
     assert lines[fp8].get_linestyle() != lines[nvfp4].get_linestyle()
 
 

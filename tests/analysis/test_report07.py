@@ -43,7 +43,8 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
         write_run(runs, "baseline", "int4", seed, base, 2e-2, collapse=seed in (0, 2))
         write_run(runs, "tis", "int4", seed, tis, 2e-2)
         write_run(runs, "r3", "int4", seed, r3, 8e-3)
-        # MIS masking 70 % of tokens throughout: by experiment 05's rule, masking "halts" training
+        # MIS masking 70 % of tokens throughout: by experiment 05's rule, masking "halts" training. Recorded
+        # under the arm's former name (mis), it is reported under its current one (geo_mis_0p1pct).
         write_run(runs, "mis", "int4", seed, 0.5, 2e-2, extra={"effective/token_frac": 0.3, "mask/token_frac": 0.7})
     for rung, k3 in (("bf16", 6e-4), ("int8", 3e-3), ("fp8", 2.5e-3), ("nvfp4", 1.5e-2)):  # the rest of the ladder
         write_run(runs, "baseline", rung, 0, 0.6, k3)
@@ -85,7 +86,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert "<!-- experiment 07: begin (experiments/07_dose_threshold/report.py) -->" in results
     assert "| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | the uncorrected run collapses from rung int4" in results
     assert ("| masking IS (MIS / IcePop) discards ever more samples, eventually halting training (rung int4) | "
-            "Mind Lab R3 blog; verl rollout-correction docs | mis: masked 70.00% of tokens") in results
+            "Mind Lab R3 blog; verl rollout-correction docs | geo_mis_0p1pct: masked 70.00% of tokens") in results
     assert "| **yes** (experiment 05's rule, `moerl.analysis.claims.claim_masking`" in results
     assert "R3 keeps GRPO training like the mismatch-free run (rung int4)" in results
     assert "| **yes — *post hoc*: match_margin (76c4ee0)** (-0.017 [-0.031, -0.002], 95 % t; power 0.38 at 3 seeds" in results
@@ -97,7 +98,7 @@ def test_masking_yes_on_the_level_says_when_the_share_did_not_fall():
     import pandas as pd
 
     def metrics(early: float, late: float) -> pd.DataFrame:
-        rows = [{"arm": "mis", "seed": s, "step": t, "reward/mean": 0.5, "effective/token_frac": early if t <= 50 else late,
+        rows = [{"arm": "geo_mis_0p1pct", "seed": s, "step": t, "reward/mean": 0.5, "effective/token_frac": early if t <= 50 else late,
                  "mask/token_frac": 1 - (early if t <= 50 else late)} for s in range(3) for t in range(1, 301)]
         return pd.DataFrame(rows)
 

@@ -75,10 +75,10 @@ def test_tis_claim_each_verdict():
 
 
 def test_masking_claim_is_not_tested_when_the_mask_hardly_fires():
-    halting = {"baseline": {}, "mis": {"effective/token_frac": lambda s, step: 1.0 - step / STEPS,
-                                       "mask/token_frac": 0.4}}
+    halting = {"baseline": {}, "seq_mis": {"effective/token_frac": lambda s, step: 1.0 - step / STEPS,
+                                           "mask/token_frac": 0.4}}
     assert claims.claim_masking(*_frames(halting)).verdict == "yes"
-    idle = {"baseline": {}, "mis": {"effective/token_frac": 0.99, "mask/token_frac": 0.008},
+    idle = {"baseline": {}, "seq_mis": {"effective/token_frac": 0.99, "mask/token_frac": 0.008},
             "icepop": {"effective/token_frac": 0.999, "mask/token_frac": 0.0002}}
     assert claims.claim_masking(*_frames(idle)).verdict == "not tested"
 

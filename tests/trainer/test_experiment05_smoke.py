@@ -35,7 +35,7 @@ def one_step(arm, tmp_path):
         trainer.close()
 
 
-@pytest.mark.parametrize("arm", ["baseline_fp8", "mis"])
+@pytest.mark.parametrize("arm", ["baseline_fp8", "seq_mis"])
 def test_one_step_logs_the_consequence_metrics(arm, tmp_path):
     m = one_step(arm, tmp_path)
     for key in ("routing/any_layer_differs", "routing/differing_layers_mean", "mismatch/extreme_gt2",

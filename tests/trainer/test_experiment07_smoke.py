@@ -18,7 +18,8 @@ TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=8", "mo
 
 def test_every_arm_loads_in_the_regime():
     arms = {p.stem: load_config(p) for p in ARMS.glob("*.yaml")}
-    assert set(arms) == {"baseline", "fp32_control", "tis", "mis", "icepop", "r3", "r3_tis", *QAT_ARMS}
+    assert set(arms) == {"baseline", "fp32_control", "tis", "geo_mis_0p1pct", "icepop", "r3", "r3_tis",
+                         *QAT_ARMS}
     for name, cfg in arms.items():
         assert cfg.experiment == "07_dose_threshold" and cfg.arm == name
         assert cfg.trainer.eval_precision == "fp32" and cfg.rollout.kernels == "emulated"
@@ -50,7 +51,7 @@ def test_one_step_at_every_mechanism_rung(rung, tmp_path):
     assert m["mismatch/k3"] > 0 and 0 <= m["routing/any_layer_differs"] <= 1
 
 
-@pytest.mark.parametrize("arm", ["tis", "mis", "icepop", "r3_tis", *QAT_ARMS])
+@pytest.mark.parametrize("arm", ["tis", "geo_mis_0p1pct", "icepop", "r3_tis", *QAT_ARMS])
 def test_one_step_of_every_mitigation(arm, tmp_path):
     m = one_step(tmp_path, arm)
     assert 0 <= m["effective/token_frac"] <= 1

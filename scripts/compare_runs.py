@@ -38,6 +38,9 @@ def main() -> None:
     if df.empty:
         sys.exit(f"compare_runs: no finished runs (summary.json) under {root}")
     if args.arms:
+        from moerl.config import current_arm
+
+        args.arms = [current_arm(root.name, a) for a in args.arms]  # an arm's former name: its current one
         missing = [a for a in args.arms if a not in set(df["arm"])]
         if missing:
             sys.exit(f"compare_runs: no finished run for arm(s) {missing} under {root} "

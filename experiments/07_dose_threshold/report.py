@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from moerl.analysis import power  # noqa: E402
-from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO_MIS, GRID_SEEDS, MATCH_MARGIN,  # noqa: E402
-                                 MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold, control_learns,
-                                 dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
+from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO_MIS, GRID_SEEDS,  # noqa: E402
+                                 MATCH_MARGIN, MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold,
+                                 control_learns, dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
                                  mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
                                  run_summary, threshold, threshold_shift)
 from moerl.analysis.registration import Registration, analysis_path  # noqa: E402

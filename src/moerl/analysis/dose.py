@@ -65,6 +65,11 @@ def registered(rule: str, first_written: bool = False):
     return amendments[0]["was"] if first_written and amendments else spec["value"]
 
 
+def _by_current_arm(measures: dict) -> dict:
+    """A registered value keyed by arm (the arms as the file wrote them then: ``mis``), keyed by current names."""
+    return {current_arm(EXPERIMENT, arm): measure for arm, measure in measures.items()}
+
+
 RUNGS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")  # every precision the ladder can run
 CONTROL_GAIN = registered("control_gain")  # held-out pass@1, end minus step 0
 REWARD_WINDOW = 25
@@ -82,10 +87,8 @@ TIS_REWEIGHTED = "is/outside_band_frac"
 # measure, and the one first written before the grid (TIS's truncated share). The fake-quantised trainer
 # acts on every weight, not on a share of tokens: no floor applies to it alone; with TIS, TIS's tail counts.
 _QAT_ACTS_ON = {"qat_int4_tis": TIS_REWEIGHTED}
-# The registered file names arms as written then (``mis``): read under their current names.
-ACTS_ON = {**{current_arm(EXPERIMENT, a): m for a, m in registered("acts_on_measure").items()}, **_QAT_ACTS_ON}
-ACTS_ON_PREREGISTERED = {**{current_arm(EXPERIMENT, a): m for a, m in registered("acts_on_measure", first_written=True).items()},
-                         **_QAT_ACTS_ON}
+ACTS_ON = {**_by_current_arm(registered("acts_on_measure")), **_QAT_ACTS_ON}
+ACTS_ON_PREREGISTERED = {**_by_current_arm(registered("acts_on_measure", first_written=True)), **_QAT_ACTS_ON}
 ACTS_ON_FLOOR = registered("acts_on_floor")
 MATCH_MARGIN = registered("match_margin")["margin"]  # "trains like the control": at most this far below it
 MATCH_SIDED_FIRST = registered("match_margin", first_written=True)["sided"]  # "two": within the margin either way

@@ -309,8 +309,8 @@ class ExperimentConfig:
     @property
     def run_dir(self) -> Path:
         """``<tracking.output_dir>/<experiment>/<arm>[+<variant>]/seed<k>``; a run recorded under the
-        older spelling of the same overrides (``key=value,...``) is found there, so it is skipped or
-        resumed instead of started again."""
+        older spelling of the same overrides (``key=value,...``) or under the arm's former name
+        (RENAMED_ARMS) is found there, so it is skipped or resumed instead of started again."""
         path = Path(self.tracking.output_dir) / self.run_name
         if path.exists():
             return path

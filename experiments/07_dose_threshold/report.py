@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.analysis import power  # noqa: E402
+from moerl.analysis import confirmatory, power  # noqa: E402
 from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO_MIS, GRID_SEEDS,  # noqa: E402
                                  MATCH_MARGIN, MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold,
                                  control_learns, dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
@@ -66,6 +66,15 @@ def post_hoc(kind: str, arm: str | None = None, grid: str = "main", gate_fired: 
         rules.append("acts_on_measure")
     late = [st for st in (registration().status(r, grid) for r in rules) if st.post_hoc]
     return "" if not late else " — *post hoc*: " + ", ".join(f"{st.rule} ({st.set_by or 'uncommitted'})" for st in late)
+
+
+def confirmatory_markdown(every_run: list[dict]) -> str:
+    """The confirmatory and mechanism grids: progress, and the registered verdicts of complete grids, each
+    labelled post hoc where a rule it uses was set after its grid's first run (judged from those runs only)."""
+    path_runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is not None]
+    result = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))
+    judged = Registration(analysis_path(EXPERIMENT), runs=path_runs)
+    return confirmatory.markdown(result, label=judged.labels, registered=REGISTERED)
 
 
 def ladder_rows(runs: list[dict]) -> tuple[dict, dict | None]:
@@ -713,9 +722,11 @@ def main() -> None:
         print(pilot_rows([Path(p) for p in args.pilots]))
         return
     try:
-        runs = load_runs(Path(args.runs))
+        every_run = load_runs(Path(args.runs))
     except RunReadError as err:
         sys.exit(f"report: {err}")
+    # The grids recorded on the registered rollout path have their own section; never mixed with these.
+    runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is None]
     if not runs:
         sys.exit(f"report: no runs of {EXPERIMENT} under {args.runs} (run experiments/07_dose_threshold/launch.sh pilot)")
     registration(runs)
@@ -724,7 +735,7 @@ def main() -> None:
     table = grid(runs)
     shifts = thresholds(runs, table)
     text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
-            + power_plan(table) + registration_markdown())
+            + power_plan(table) + confirmatory_markdown(every_run) + registration_markdown())
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
                                                 default=str) + "\n")

@@ -99,3 +99,17 @@ def test_drift_at_600_steps():
 def test_every_path_grid_is_registered_with_a_plan(grid):
     g = confirmatory.path_grids(REGISTERED)[grid]
     assert g.planned() and g.eval_completions == 2048
+
+
+def test_verdicts_carry_the_post_hoc_label_of_their_rules():
+    rng = np.random.default_rng(2)
+    runs = [run("fp32_control", "fp32", s, end=0.70 + rng.normal(0, 0.02)) for s in range(12)]
+    seen = []
+
+    def label(rules, grid):
+        seen.append((tuple(rules), grid))
+        return "regime_t (abc1234)" if "regime_t" in rules else ""
+
+    text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES), label=label, registered=REGISTERED)
+    assert (("regime_t", "collapse"), "confirmatory_control") in seen
+    assert "*post hoc*: regime_t (abc1234)" in text

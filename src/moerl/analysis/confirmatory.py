@@ -26,6 +26,7 @@ The rules (all one-sided 95 % t bounds over seeds, moerl.analysis.power.t_verdic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from moerl.analysis import power
 from moerl.analysis.verdicts import keeps_drifting
@@ -33,6 +34,10 @@ from moerl.analysis.verdicts import keeps_drifting
 # The grids analysis.yaml says are recorded on its rollout path (its comment above ``rollout_path``).
 PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism")
 DEFAULT_STEPS = 300
+# The registered rules each kind of verdict is computed under (for its post-hoc label).
+RULES_USED = {"regime": ("regime_t", "collapse"), "like_control": ("like_control_t",),
+              "helps": ("helps_t", "acts_on_per_mechanism"), "behind": ("helps_t",),
+              "keeps_drifting": ("drift", "acts_on_per_mechanism")}
 RATIO_TAIL_ARMS = ("tis",)
 MASKED_ARMS = ("mis", "icepop")
 REROUTED_ARMS = ("r3", "r3_tis")
@@ -219,8 +224,15 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
     return out
 
 
-def markdown(result: dict) -> str:
-    """The report's section: a progress table, then each complete grid's verdicts."""
+def _kind(comparison: str) -> str:
+    return ("regime" if comparison == "regime" else "behind" if comparison.endswith("behind control")
+            else comparison.split(" ", 1)[1])
+
+
+def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
+             registered: dict | None = None) -> str:
+    """The report's section: a progress table, then each complete grid's verdicts, each followed by its
+    post-hoc label (``label(rules, grid)``, e.g. ``Registration.labels``) where one applies."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in.", "",
              "| grid | registered runs | finished | started | verdicts |", "|---|---|---|---|---|"]
@@ -245,6 +257,11 @@ def markdown(result: dict) -> str:
                              + ("" if v["acts_on"]["floored"] else " (reported, not floored)"))
             if "k3_growth" in v:
                 notes.append("late / early k3 " + ", ".join(f"{g:.2f}" for g in v["k3_growth"]))
+            if label is not None and registered is not None:
+                rules = [r for r in RULES_USED[_kind(name)] if grid in registered["rules"][r]["grids"]]
+                late = label(rules, grid)
+                if late:
+                    notes.append(f"*post hoc*: {late}")
             lines.append(f"| {name} | {v['verdict']} | {mean} | {interval.get('n', len(v.get('k3_growth', [])))} | "
                          f"{'; '.join(notes)} |")
     return "\n".join(lines) + "\n"

@@ -173,9 +173,15 @@ def load_runs(root: str | Path) -> list[dict]:
                      f"top-{model.get('top_k', '?')}, hidden {model.get('hidden_size', '?')}; "
                      f"{rollout.get('prompts_per_step', '?')} x {rollout.get('group_size', '?')} samples a step")
             recorded = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+            trainer = cfg["trainer"]
+            path_key = REGISTERED["rollout_path"]["key"]
+            section, _, key = path_key.partition(".")
             runs.append({"arm": current_arm(EXPERIMENT, cfg["arm"]), "rung": rollout["dtype"], "seed": int(cfg["seed"]),
                          "registration": recorded.get("registration"),
-                         "steps_planned": cfg["trainer"]["steps"], "setup": setup, "run_dir": str(run), **summary})
+                         "steps_planned": trainer["steps"], "setup": setup, "run_dir": str(run),
+                         # which grid a run belongs to (moerl.analysis.confirmatory.grid_of)
+                         "eval_completions": int(trainer.get("eval_samples", 1)) * int(trainer.get("eval_size", 0)),
+                         "path": {path_key: (cfg.get(section) or {}).get(key)}, **summary})
     return runs
 
 

@@ -9,7 +9,8 @@ install does; this script also puts ``src/`` on the path.)
 
 Why: a step time means little alone. TRL's GRPOTrainer is the reference LoRA GRPO implementation most
 readers know, so we time it on exactly the work moerl does in one step and report ``moerl / TRL``.
-Target: moerl's step at most 0.8x TRL's with the matched structure, moerl's extra work included.
+Target: moerl's step at most 0.8x TRL's with the matched structure, moerl's extra work included; at most
+0.4x on experiment 07's task (answers of 25-33 tokens, where decoding dominates).
 
 Same on both sides: the arm's warm-start model (TRL gets a deep copy), the LoRA (q/k/v/o plus the fused
 expert tensors via PEFT ``target_parameters``, moerl.lora.peft_lora.peft_config, same rank/alpha and the
@@ -81,6 +82,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 TARGET = 0.8  # moerl's step / TRL's step, matched structure
+TARGETS = {"07_dose_threshold": 0.4}  # per experiment, where it differs
 STRUCTURES = ("matched", "default")
 DEFAULT_ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
 
@@ -507,7 +509,7 @@ def main(argv=None) -> dict:
             if c["changed"] == 0:
                 problems.append(f"{name}: no LoRA tensor changed")
 
-    summary = summarise(rounds)
+    summary = summarise(rounds, TARGETS.get(cfg.experiment, TARGET))
     print()
     print(report(summary))
     trl_detail = {}

@@ -188,3 +188,23 @@ def test_trained_width_points_give_the_trained_anchors_their_width_slope():
     df = pd.DataFrame(rows)
     assert list(sft_width(df).H) == [64, 128, 256]
     assert fits(df)["width_sft"]["b"] < 0 and fits(df)["width_sft"]["s"] > 0
+
+
+def test_every_recorded_point_is_finished_under_todays_spec():
+    """A config key added later (how the engine decodes, say) must not turn every recorded point into one
+    to measure again: the runner would spend hours re-measuring what is recorded."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "scripts"))
+    import measure_geometry
+
+    cfg = measure_geometry.load_config(measure_geometry.BASE_CONFIG, [])
+    recorded = {p.stem for p in (root / "results" / "geometry").glob("*.json")}
+    points = [p for p in measure_geometry.ladder_points() if p.name in recorded]
+    assert len(points) >= 20
+    stale = [p.name for p in points
+             if not measure_geometry.finished(root / "results" / "geometry" / f"{p.name}.json",
+                                              measure_geometry.spec(p, 16, cfg))]
+    assert stale == []

@@ -8,21 +8,10 @@ from moerl.lora.peft_lora import apply_lora
 from moerl.models.presets import build_model
 from moerl.rollout.decode import unsupported
 from moerl.rollout.hf import HFEngine
+from tests_helpers import lora_policy
 
 QUESTIONS = ["1+2*3=", "45+6*7=", "99+9*9=", "3+4*5-6="]  # different lengths -> left padding
 ANSWERS = ["7", "87", "180", "17"]
-
-
-def policy(tokenizer, preset="qwen3_moe", **model):
-    """Non-zero LoRA on attention and on every expert (B is zero at init, which would hide a missed adapter)."""
-    cfg = ModelConfig(preset=preset, init_std=0.1, **model)
-    peft = apply_lora(build_model(cfg, tokenizer), LoraConfig(), preset)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-    return peft
 
 
 def both_paths(engine: HFEngine, questions=QUESTIONS, **kwargs):
@@ -44,7 +33,7 @@ def assert_identical(reference, loop):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp8", "nvfp4", "int4_kimi"])
 def test_loop_is_generate_bit_for_bit(tokenizer, dtype):
-    engine = HFEngine(policy(tokenizer, num_heads=4, num_kv_heads=2), tokenizer,
+    engine = HFEngine(lora_policy(tokenizer, num_heads=4, num_kv_heads=2), tokenizer,
                       RolloutConfig(dtype=dtype, max_new_tokens=14, temperature=1.5))
     reference, loop = both_paths(engine, seed=5)
     assert_identical(reference, loop)
@@ -54,7 +43,7 @@ def test_loop_is_generate_bit_for_bit(tokenizer, dtype):
 
 
 def test_loop_matches_generate_greedy_and_with_warpers(tokenizer):
-    engine = HFEngine(policy(tokenizer), tokenizer,
+    engine = HFEngine(lora_policy(tokenizer), tokenizer,
                       RolloutConfig(dtype="bf16", max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9))
     assert_identical(*both_paths(engine, seed=2))
     assert_identical(*both_paths(engine, greedy=True))
@@ -63,7 +52,7 @@ def test_loop_matches_generate_greedy_and_with_warpers(tokenizer):
 def test_loop_without_padding_or_capture(tokenizer):
     """Prompts of one length give transformers no attention mask (and sdpa shares key/value heads)."""
     for dtype in ("fp32", "bf16"):
-        engine = HFEngine(policy(tokenizer, num_heads=4, num_kv_heads=2), tokenizer,
+        engine = HFEngine(lora_policy(tokenizer, num_heads=4, num_kv_heads=2), tokenizer,
                           RolloutConfig(dtype=dtype, max_new_tokens=8, capture_routing=False))
         reference, loop = both_paths(engine, questions=["1+2*3=", "4+5*6="], seed=1)
         assert loop.routing is None
@@ -73,7 +62,7 @@ def test_loop_without_padding_or_capture(tokenizer):
 
 def test_loop_follows_a_refit(tokenizer):
     """The loop reads the weights at every call: an adapter refit changes what it samples, as in generate."""
-    peft = policy(tokenizer)
+    peft = lora_policy(tokenizer)
     engine = HFEngine(peft, tokenizer, RolloutConfig(dtype="bf16", max_new_tokens=8))
     before = engine.generate(QUESTIONS, ANSWERS, group_size=6, seed=0)
     with torch.no_grad():
@@ -84,11 +73,11 @@ def test_loop_follows_a_refit(tokenizer):
 
 
 def test_unsupported_models_fall_back_to_generate(tokenizer):
-    engine = HFEngine(policy(tokenizer, "deepseek_v3"), tokenizer, RolloutConfig(dtype="bf16", max_new_tokens=4))
+    engine = HFEngine(lora_policy(tokenizer, "deepseek_v3"), tokenizer, RolloutConfig(dtype="bf16", max_new_tokens=4))
     assert not engine.decode_loop and "deepseek_v3" in engine.decode_loop_unsupported
-    native = HFEngine(policy(tokenizer), tokenizer, RolloutConfig(dtype="bf16", kernels="native", max_new_tokens=4))
+    native = HFEngine(lora_policy(tokenizer), tokenizer, RolloutConfig(dtype="bf16", kernels="native", max_new_tokens=4))
     assert not native.decode_loop and "native" in native.decode_loop_unsupported
-    chosen = HFEngine(policy(tokenizer), tokenizer, RolloutConfig(dtype="bf16", decode="generate", max_new_tokens=4))
+    chosen = HFEngine(lora_policy(tokenizer), tokenizer, RolloutConfig(dtype="bf16", decode="generate", max_new_tokens=4))
     assert not chosen.decode_loop and chosen.decode_loop_unsupported is None
     assert native.generate(QUESTIONS, ANSWERS, group_size=2, seed=0).input_ids.shape[0] == 8
     shared = apply_lora(build_model(ModelConfig(preset="qwen3_moe"), tokenizer),

@@ -2,27 +2,15 @@
 import pytest
 import torch
 
-from moerl.config import LoraConfig, ModelConfig, RolloutConfig
-from moerl.lora.peft_lora import apply_lora
-from moerl.models.presets import build_model
+from moerl.config import RolloutConfig
 from moerl.replay.session import routing_session
 from moerl.rollout.hf import HFEngine
 from moerl.trainer.logprobs import forward_logprobs
 from moerl.trainer.metrics import mismatch_metrics
+from tests_helpers import lora_policy
 
 QUESTIONS = ["1+2*3=", "45+6*7=", "99+9*9="]  # different lengths -> left padding
 ANSWERS = ["7", "87", "180"]
-
-
-def lora_policy(tokenizer, preset="qwen3_moe"):
-    """A policy with non-zero LoRA weights (B is zero at init, which would hide refit bugs)."""
-    policy = apply_lora(build_model(ModelConfig(preset=preset, init_std=0.1), tokenizer), LoraConfig(), preset)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-    return policy
 
 
 def test_batch_layout_and_trace(tokenizer):

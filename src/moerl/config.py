@@ -334,6 +334,7 @@ class ExperimentConfig:
 # current one (ExperimentConfig.run_dir, config_diff, moerl.analysis.results). Recorded runs keep their names.
 RENAMED_ARMS = {
     "00_tiny_moe_cpu": {"mis": "geo_mis_3pct"},
+    "03_qwen3_30b_a3b_lora_mitigations": {"mis": "seq_mis"},
     "05_mismatch_consequences": {"mis": "seq_mis"},
     "07_dose_threshold": {"mis": "geo_mis_0p1pct"},
 }

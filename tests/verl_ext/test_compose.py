@@ -44,7 +44,7 @@ def test_kimi_without_and_with_r3():
 ARMS = {  # arm: (router replay mode, rollout flag, rollout_is, rollout_rs)
     "baseline": ("disabled", False, None, None),
     "tis": ("disabled", False, "token", None),
-    "mis": ("disabled", False, "sequence", "seq_sum_k1"),
+    "seq_mis": ("disabled", False, "sequence", "seq_sum_k1"),
     "icepop": ("disabled", False, "token", None),
     "r2": ("R2", False, None, None),
     "r3": ("R3", True, None, None),
@@ -97,3 +97,13 @@ def test_arm_required_and_unknown_arm():
 def test_flatten_overrides_quotes_and_additions():
     pairs = dict(flatten_overrides({"a": {"b": 1, "+c": True, "d": "0.5_2.0", "e": ["x", "y z"], "f": None}}))
     assert pairs == {"a.b": "1", "+a.c": "true", "a.d": "'0.5_2.0'", "a.e": "[x,'y z']", "a.f": "null"}
+
+
+def test_a_former_arm_name_composes_the_arm_it_became():
+    from moerl.verl_ext.compose import load_experiment
+
+    directory = Path(__file__).resolve().parents[2] / "experiments" / "03_qwen3_30b_a3b_lora_mitigations"
+    former, current = load_experiment(directory, arm="mis"), load_experiment(directory, arm="seq_mis")
+    assert former.arm == current.arm == "seq_mis" and former.overrides == current.overrides
+    with pytest.raises(ExperimentError, match="unknown arm 'mix'"):
+        load_experiment(directory, arm="mix")

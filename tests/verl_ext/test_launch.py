@@ -8,7 +8,7 @@ from moerl.verl_ext import launch
 
 EXP = Path(__file__).resolve().parents[2] / "experiments"
 RUNS = [("01_kimi_k2_lora_grpo", None), ("02_kimi_k2_lora_grpo_r3", None), ("04_moonlight_16b_a3b_r3", None)] + [
-    ("03_qwen3_30b_a3b_lora_mitigations", a) for a in ("baseline", "tis", "mis", "icepop", "r2", "r3", "r3_tis")]
+    ("03_qwen3_30b_a3b_lora_mitigations", a) for a in ("baseline", "tis", "seq_mis", "icepop", "r2", "r3", "r3_tis")]
 
 
 @pytest.mark.parametrize("name,arm", RUNS)

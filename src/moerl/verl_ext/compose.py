@@ -143,6 +143,10 @@ def load_experiment(directory: str | Path, arm: str | None = None) -> Experiment
     if arms:
         if arm is None:
             raise ExperimentError(f"{directory.name} has arms {arms}: pass --arm")
+        if arm not in arms:  # a former name (moerl.config.RENAMED_ARMS) runs the arm it became
+            from moerl.config import current_arm
+
+            arm = current_arm(directory.name, arm)
         if arm not in arms:
             raise ExperimentError(f"{directory.name}: unknown arm '{arm}' (have {arms})")
         entry = directory / "arms" / f"{arm}.yaml"

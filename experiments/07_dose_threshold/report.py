@@ -722,7 +722,7 @@ def main() -> None:
         print(pilot_rows([Path(p) for p in args.pilots]))
         return
     try:
-        every_run = load_runs(Path(args.runs))
+        every_run = load_runs(Path(args.runs), grids="all")
     except RunReadError as err:
         sys.exit(f"report: {err}")
     # The grids recorded on the registered rollout path have their own section; never mixed with these.

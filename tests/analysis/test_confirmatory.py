@@ -113,3 +113,29 @@ def test_verdicts_carry_the_post_hoc_label_of_their_rules():
     text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES), label=label, registered=REGISTERED)
     assert (("regime_t", "collapse"), "confirmatory_control") in seen
     assert "*post hoc*: regime_t (abc1234)" in text
+
+
+def test_the_recorded_tables_never_load_a_path_grid_run(tmp_path):
+    """dose.load_runs gives the recorded grids' tables (README, notebook 08, the report's) only their runs."""
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    from moerl.analysis import dose
+
+    recorded = Path(__file__).resolve().parents[2] / "results" / "runs" / "07_dose_threshold" / "fp32_control" / "seed0"
+    root = tmp_path / "runs" / "07_dose_threshold"
+    shutil.copytree(recorded, root / "fp32_control" / "seed0", ignore=shutil.ignore_patterns("checkpoints", "samples"))
+    grid_run = root / "fp32_control+trainer.eval_samples-8" / "seed0"
+    shutil.copytree(recorded, grid_run, ignore=shutil.ignore_patterns("checkpoints", "samples"))
+    cfg = yaml.safe_load((grid_run / "config.yaml").read_text())
+    cfg["trainer"]["eval_samples"] = 8
+    cfg["rollout"]["decode"] = "loop"
+    (grid_run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    every = dose.load_runs(tmp_path / "runs", grids="all")
+    assert len(every) == 2 and sum(confirmatory.grid_of(r, REGISTERED) == "confirmatory_control" for r in every) == 1
+    assert [r["run_dir"] for r in dose.load_runs(tmp_path / "runs")] == [str(root / "fp32_control" / "seed0")]
+    with pytest.raises(ValueError, match="grids must be"):
+        dose.load_runs(tmp_path / "runs", grids="some")
+

@@ -234,12 +234,13 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     """The report's section: a progress table, then each complete grid's verdicts, each followed by its
     post-hoc label (``label(rules, grid)``, e.g. ``Registration.labels``) where one applies."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
-             "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in.", "",
-             "| grid | registered runs | finished | started | verdicts |", "|---|---|---|---|---|"]
+             "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
+             "(finished runs are committed as they land).", "",
+             "| grid | registered runs | finished | verdicts |", "|---|---|---|---|"]
     for name, p in result["progress"].items():
         state = "computed below" if name in result["verdicts"] else (
             "waits for confirmatory_control" if p["complete"] else "after the last registered run")
-        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {p['started']} | {state} |")
+        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {state} |")
     for grid, verdicts in result["verdicts"].items():
         lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",
                   "|---|---|---|---|---|"]

@@ -144,10 +144,15 @@ class RunReadError(ValueError):
     """A run directory of the experiment that cannot be read; the message names the file."""
 
 
-def load_runs(root: str | Path) -> list[dict]:
-    """Every run of the experiment: arm, rung (its rollout.dtype), seed and its summary. A run directory
-    without a readable config.yaml or metrics.jsonl is a RunReadError naming the file: a table that
-    silently left a run out would report other seeds than it says."""
+def load_runs(root: str | Path, grids: str = "recorded") -> list[dict]:
+    """The experiment's runs: arm, rung (its rollout.dtype), seed and its summary. ``grids="recorded"``: the
+    runs of the grids recorded before the registered rollout path was named (ladder, control, main), the
+    ones every table here is about; ``"all"`` adds the runs of the grids on that path (confirmatory,
+    mechanism: moerl.analysis.confirmatory), never to be mixed with them. A run directory without a
+    readable config.yaml or metrics.jsonl is a RunReadError naming the file: a table that silently left a
+    run out would report other seeds than it says."""
+    if grids not in ("recorded", "all"):
+        raise ValueError(f"load_runs: grids must be 'recorded' or 'all', got {grids!r}")
     runs = []
     for metrics in sorted((Path(root) / EXPERIMENT).glob("*/seed*/metrics.jsonl")):
         run = metrics.parent
@@ -182,6 +187,10 @@ def load_runs(root: str | Path) -> list[dict]:
                          # which grid a run belongs to (moerl.analysis.confirmatory.grid_of)
                          "eval_completions": int(trainer.get("eval_samples", 1)) * int(trainer.get("eval_size", 0)),
                          "path": {path_key: (cfg.get(section) or {}).get(key)}, **summary})
+    if grids == "recorded":
+        from moerl.analysis.confirmatory import grid_of
+
+        runs = [r for r in runs if grid_of(r, REGISTERED) is None]
     return runs
 
 

@@ -274,7 +274,7 @@ def test_bad_config_messages_name_allowed_values():
         load_config(None, ["loss.variant=mis", "loss.mis_token_tis=true"])
 
 
-@pytest.mark.parametrize("arm,variant", [("tis", "tis"), ("mis", "mis"), ("icepop", "icepop"),
+@pytest.mark.parametrize("arm,variant", [("tis", "tis"), ("geo_mis_3pct", "mis"), ("icepop", "icepop"),
                                          ("gspo", "gspo"), ("r3_tis", "tis")])
 def test_arms_load(arm, variant):
     cfg = load_config(REPO / f"experiments/00_tiny_moe_cpu/arms/{arm}.yaml")

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 from moerl.models.experts import NAME as EXPERTS_NAME
 from moerl.rollout.kernels import LOW_PRECISION
@@ -236,8 +237,6 @@ class DecodeLoop:
         return logits[:, -1, :].to(copy=True, dtype=torch.float32)
 
     def _attention(self, i: int, layer: _Layer, h, cos, sin, mask, t: int) -> torch.Tensor:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
-
         p = self.products
         n = h.shape[0]
         shape = (n, 1, -1, layer.head_dim)

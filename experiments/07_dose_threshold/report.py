@@ -69,8 +69,9 @@ def post_hoc(kind: str, arm: str | None = None, grid: str = "main", gate_fired: 
 
 
 def confirmatory_markdown(every_run: list[dict]) -> str:
-    """The confirmatory and mechanism grids: progress, and the registered verdicts of complete grids, each
-    labelled post hoc where a rule it uses was set after its grid's first run (judged from those runs only)."""
+    """The confirmatory and mechanism grids: progress, the registered verdicts of complete grids, each
+    labelled post hoc where a rule it uses was set after its grid's first run (judged from those runs only),
+    and the complete mechanism grid's exploratory table (moerl.analysis.confirmatory)."""
     path_runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is not None]
     result = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))
     judged = Registration(analysis_path(EXPERIMENT), runs=path_runs)

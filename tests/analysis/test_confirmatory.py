@@ -139,3 +139,126 @@ def test_the_recorded_tables_never_load_a_path_grid_run(tmp_path):
     with pytest.raises(ValueError, match="grids must be"):
         dose.load_runs(tmp_path / "runs", grids="some")
 
+
+
+# --- the mechanism grid: where the 4-bit mismatch lives ----------------------------------------------------
+
+MECHANISM = REGISTERED["grids"]["mechanism"]
+# rung -> the baseline's collapsed seeds; the r3 arm's collapsed seeds
+BASELINE_COLLAPSED = {"nvfp4_experts": {0, 1, 2, 3, 4}, "nvfp4_attention": set(), "int4_experts": {0, 1},
+                      "int4_attention": set(), "int4_kimi": {0, 1, 2, 3, 4}}
+R3_COLLAPSED = {"nvfp4_experts": set(), "nvfp4_attention": set(), "int4_experts": {0},
+                "int4_attention": set(), "int4_kimi": {0, 1, 2, 3, 4}}
+
+
+def mechanism_grid(rng, *, control_gain=0.15, qat_behind_control=0.01, qat_r3_over_r3=0.10) -> list[dict]:
+    """A complete mechanism grid with the confirmatory control (12 seeds, final pass@1 0.55 + control_gain)."""
+    control_end = {s: 0.55 + control_gain + rng.normal(0, 0.01) for s in range(12)}
+    runs = [run("fp32_control", "fp32", s, end=e) for s, e in control_end.items()]
+    for rung in MECHANISM["rungs"]:
+        for arm, collapsed in (("baseline", BASELINE_COLLAPSED[rung]), ("r3", R3_COLLAPSED[rung])):
+            runs += [run(arm, rung, s, end=0.05 if s in collapsed else 0.62 + rng.normal(0, 0.01),
+                         collapse=150 if s in collapsed else None, k3_median=0.02 if arm == "baseline" else 0.01)
+                     for s in MECHANISM["seeds"]]
+    r3_kimi = {r["seed"]: r["pass1_end"] for r in runs if r["arm"] == "r3" and r["rung"] == "int4_kimi"}
+    for s in MECHANISM["seeds"]:
+        runs.append(run("qat_int4", "int4_kimi", s, end=control_end[s] - qat_behind_control + rng.normal(0, 0.005)))
+        runs.append(run("qat_int4_r3", "int4_kimi", s, end=r3_kimi[s] + qat_r3_over_r3 + rng.normal(0, 0.01)))
+        runs.append(run("qat_int4_tis", "int4_kimi", s, end=0.60, k3_median=0.004))
+    return runs
+
+
+def test_no_mechanism_verdict_before_its_last_registered_run():
+    runs = mechanism_grid(np.random.default_rng(3))
+    last = next(r for r in runs if r["arm"] == "qat_int4_tis" and r["seed"] == 4)
+    partial = [r for r in runs if r is not last]
+    out = confirmatory.report(partial, REGISTERED, RULES)
+    assert out["progress"]["mechanism"] == {"planned": 65, "finished": 64, "started": 64, "complete": False}
+    assert "confirmatory_control" in out["verdicts"] and "mechanism" not in out["verdicts"]
+    assert out["exploratory"] == {}
+    assert "| mechanism | 65 | 64 | after the last registered run |" in confirmatory.markdown(out)
+    out = confirmatory.report(partial + [last], REGISTERED, RULES)
+    assert "mechanism" in out["verdicts"] and out["exploratory"]["mechanism"]
+    # the mechanism grid complete but the control not: its exploratory table only, no verdict
+    no_control = [r for r in runs if not (r["arm"] == "fp32_control" and r["seed"] == 11)]
+    out = confirmatory.report(no_control, REGISTERED, RULES)
+    assert out["verdicts"] == {} and len(out["exploratory"]["mechanism"]) == 2 * 5 + 3
+    assert "| mechanism | 65 | 65 | waits for confirmatory_control |" in confirmatory.markdown(out)
+
+
+def test_mechanism_comparisons_follow_the_registered_rules():
+    out = confirmatory.report(mechanism_grid(np.random.default_rng(4)), REGISTERED, RULES)
+    assert out["verdicts"]["confirmatory_control"]["regime"]["verdict"] == "yes"
+    mech = out["verdicts"]["mechanism"]
+    collapses = {rung: mech[f"baseline collapses at {rung}"]["verdict"] for rung in MECHANISM["rungs"]}
+    assert collapses == {"nvfp4_experts": "yes", "nvfp4_attention": "no", "int4_experts": "partly (2 of 5)",
+                         "int4_attention": "no", "int4_kimi": "yes"}
+    assert mech["baseline collapses at int4_experts"]["collapsed_seeds"] == [0, 1]
+    prevents = {rung: mech[f"r3 prevents collapse at {rung}"]["verdict"] for rung in MECHANISM["rungs"]}
+    assert prevents == {"nvfp4_experts": "yes", "nvfp4_attention": "not tested", "int4_experts": "partly",
+                        "int4_attention": "not tested", "int4_kimi": "no"}
+    assert mech["qat_int4 prevents collapse"]["verdict"] == "yes"
+    assert mech["qat_int4 prevents collapse"]["baseline_collapsed_seeds"] == [0, 1, 2, 3, 4]
+    assert mech["qat_int4 like_control"]["verdict"] == "yes"  # 0.01 below the control: within the 0.05 margin
+    assert mech["qat_int4 like_control"]["n"] == 5 and mech["qat_int4 like_control"]["low"] > -0.05
+    helps = mech["qat_int4_r3 helps over r3 at int4_kimi"]
+    assert helps["verdict"] == "yes" and helps["difference"] == "qat_int4_r3 - r3"
+    assert helps["n"] == 5 and 0 < helps["low"] < 0.10 < helps["high"]
+    assert 0 < helps["power_at_smallest_effect"] <= 1
+    assert not any("ungated" in v for v in mech.values())  # the regime holds: nothing gated
+    far = confirmatory.report(mechanism_grid(np.random.default_rng(4), qat_behind_control=0.15), REGISTERED, RULES)
+    assert far["verdicts"]["mechanism"]["qat_int4 like_control"]["verdict"] == "no"  # 0.15 below the control
+    rows = {(r["arm"], r["rung"]): r for r in out["exploratory"]["mechanism"]}
+    assert set(rows) == {(a, r) for a, r, _ in confirmatory.path_grids(REGISTERED)["mechanism"].planned()}
+    assert rows[("baseline", "int4_experts")]["collapsed"] == 2 and rows[("baseline", "int4_experts")]["n"] == 5
+    assert rows[("qat_int4_tis", "int4_kimi")]["pass1_end"]["mean"] == pytest.approx(0.60)
+    assert rows[("qat_int4_tis", "int4_kimi")]["k3_median"] == pytest.approx(0.004)
+
+
+def test_mechanism_verdicts_need_a_learning_control():
+    out = confirmatory.report(mechanism_grid(np.random.default_rng(5), control_gain=0.0), REGISTERED, RULES)
+    assert out["verdicts"]["confirmatory_control"]["regime"]["verdict"] == "no"
+    mech = out["verdicts"]["mechanism"]
+    for name, ungated in (("baseline collapses at nvfp4_experts", "yes"),
+                          ("r3 prevents collapse at int4_experts", "partly"),
+                          ("qat_int4 prevents collapse", "yes"), ("qat_int4 like_control", "yes")):
+        assert mech[name]["verdict"] == "not tested" and mech[name]["ungated"] == ungated, name
+        assert mech[name]["regime"] == "no"
+    # "helps" compares two arms with each other: no learning control needed
+    assert mech["qat_int4_r3 helps over r3 at int4_kimi"]["verdict"] == "yes"
+    text = confirmatory.markdown(out)
+    assert ("| baseline collapses at nvfp4_experts | not tested | — | 5 | collapsed seeds [0, 1, 2, 3, 4]; "
+            "gated: the control's regime verdict is no (ungated: yes) |") in text
+
+
+def test_mechanism_markdown_with_its_post_hoc_labels():
+    out = confirmatory.report(mechanism_grid(np.random.default_rng(6)), REGISTERED, RULES)
+    seen = []
+
+    def label(rules, grid):
+        seen.append((tuple(rules), grid))
+        return "collapse (abc1234)" if grid == "mechanism" and "collapse" in rules else ""
+
+    text = confirmatory.markdown(out, label=label, registered=REGISTERED)
+    assert "**mechanism**" in text
+    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; *post hoc*: " \
+           "collapse (abc1234) |" in text
+    assert "| qat_int4_r3 helps over r3 at int4_kimi | yes | +0.1" in text
+    # only the rules registered for the mechanism grid are looked up (prevents_collapse_seeds judges the main grid)
+    assert (("collapse", "regime_t"), "mechanism") in seen and (("helps_t",), "mechanism") in seen
+    assert (("like_control_t", "regime_t", "collapse"), "mechanism") in seen
+    assert not any("prevents_collapse_seeds" in rules for rules, _ in seen)
+    assert "**mechanism — exploratory** (no verdict" in text
+    assert "| baseline | int4_experts | 2 of 5 |" in text and "| qat_int4_tis | int4_kimi | 0 of 5 | 0.600" in text
+
+
+def test_a_mechanism_comparison_the_grid_cannot_judge_is_one_clear_error():
+    runs = mechanism_grid(np.random.default_rng(7))
+    for bad, says in (("qat_int4 is better", "is not"), ("qat_int4 collapses at nvfp4_experts", "names no rung"),
+                      ("r3 like_control", "names no rung"), ("qat_int4 helps over r3 at nvfp4_experts", "no rung"),
+                      ("r3 helps over qat_int4 at nvfp4_experts", "share \\['int4_kimi'\\]"),
+                      ("r3 helps over fp32_control at each rung", "share no rung")):
+        rules = {**RULES, "confirmatory_comparisons": {**RULES["confirmatory_comparisons"], "mechanism": [bad]}}
+        with pytest.raises(ValueError, match="experiments/07_dose_threshold/analysis.yaml: "
+                                             f"rules.confirmatory_comparisons.mechanism: .*{says}"):
+            confirmatory.report(runs, REGISTERED, rules)

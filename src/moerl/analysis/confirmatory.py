@@ -22,22 +22,48 @@ The rules (all one-sided 95 % t bounds over seeds, moerl.analysis.power.t_verdic
 - ``acts_on_per_mechanism``: TIS's ratio-tail share and MIS / IcePop's masked share must reach the floor
   in every seed for their "helps" to be tested; R3's re-routed share is reported beside it, not floored;
 - ``keeps_drifting`` (confirmatory_nvfp4_600): experiment 05's drift rule, late / early median k3 per seed.
+
+The mechanism grid (where the 4-bit mismatch lives: each 4-bit format on the routed experts only or on
+attention only, and Kimi-K2-Thinking's INT4 experts with the trainer-side fake-INT4 arms) is judged by
+counting collapsed seeds -- collapse against no collapse is a large effect, and 5 seeds of one kind make
+"every seed" p = 1/32 under a fair coin:
+- ``<arm> collapses``: yes when every seed collapsed, no when none, otherwise ``partly (k of n)``;
+- ``<arm> prevents collapse``: against the baseline at the same rung, counted on the arm's own seeds (the
+  main grid's ``prevents_collapse_seeds``): not tested where the baseline collapsed in no seed, yes when no
+  seed of the arm collapsed, no when as many did, partly when fewer;
+- ``like_control_t`` against the confirmatory control and ``helps_t`` between two arms at one rung, as above,
+  the latter with its power at the registered smallest effect from the grid's own pooled paired spread.
+The verdicts that need a learning control (collapses, prevents collapse, like the control) read "not
+tested" unless the confirmatory control's ``regime_t`` verdict is yes; the ungated verdict is kept beside
+them. Every registered (arm, rung) also gets an exploratory row (collapsed seeds, mean final pass@1 with its
+t interval, median run k3) with no verdict. Like the fp8 verdicts, the mechanism verdicts wait for both the
+mechanism grid and the confirmatory control to be complete; the exploratory rows for the mechanism grid.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from moerl.analysis import power
-from moerl.analysis.verdicts import keeps_drifting
+from moerl.analysis.verdicts import NO, NOT_TESTED, PARTLY, YES, keeps_drifting
 
 # The grids analysis.yaml says are recorded on its rollout path (its comment above ``rollout_path``).
 PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism")
 DEFAULT_STEPS = 300
 # The registered rules each kind of verdict is computed under (for its post-hoc label).
+# Only the rules registered for a verdict's grid are looked up (``prevents_collapse_seeds`` is the main grid's
+# rule, which the mechanism grid's "prevents collapse" follows; it judges no path grid).
 RULES_USED = {"regime": ("regime_t", "collapse"), "like_control": ("like_control_t",),
               "helps": ("helps_t", "acts_on_per_mechanism"), "behind": ("helps_t",),
-              "keeps_drifting": ("drift", "acts_on_per_mechanism")}
+              "keeps_drifting": ("drift", "acts_on_per_mechanism"),
+              # the mechanism grid's verdicts; the gated ones also under the control's regime rule
+              "collapses": ("collapse", "regime_t"),
+              "prevents_collapse": ("prevents_collapse_seeds", "collapse", "regime_t"),
+              "like_control_gated": ("like_control_t", "regime_t", "collapse"),
+              "helps_over": ("helps_t",)}
 RATIO_TAIL_ARMS = ("tis",)
 MASKED_ARMS = ("mis", "icepop")
 REROUTED_ARMS = ("r3", "r3_tis")
@@ -209,18 +235,137 @@ def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
     return out
 
 
+def _collapsed(runs: dict[int, dict]) -> list[int]:
+    return sorted(s for s, r in runs.items() if r.get("collapse_step") is not None)
+
+
+def collapses(runs: dict[int, dict]) -> dict:
+    """``<arm> collapses``: yes when every seed collapsed, no when none, ``partly (k of n)`` otherwise."""
+    collapsed, n = _collapsed(runs), len(runs)
+    verdict = (NOT_TESTED if not n else YES if len(collapsed) == n else NO if not collapsed
+               else f"{PARTLY} ({len(collapsed)} of {n})")
+    return {"verdict": verdict, "n": n, "collapsed_seeds": collapsed}
+
+
+def prevents_collapse(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
+    """``<arm> prevents collapse`` against the baseline at the same rung, the baseline's collapses counted on
+    the arm's own seeds (``prevents_collapse_seeds``): not tested where the baseline collapsed in none of
+    them, yes when no seed of the arm collapsed, no when as many did, partly when fewer."""
+    own = _collapsed(arm)
+    base = [s for s in _collapsed(baseline) if s in arm]
+    verdict = NOT_TESTED if not base else YES if not own else NO if len(own) >= len(base) else PARTLY
+    return {"verdict": verdict, "n": len(arm), "collapsed_seeds": own, "baseline_collapsed_seeds": base}
+
+
+def _regime_gated(verdict: dict, regime_verdict: str) -> dict:
+    """A verdict that needs a learning control: not tested unless the control's regime verdict is yes (the
+    ungated verdict kept under ``ungated``)."""
+    if regime_verdict == YES:
+        return {**verdict, "regime": regime_verdict}
+    return {**verdict, "verdict": NOT_TESTED, "ungated": verdict["verdict"], "regime": regime_verdict}
+
+
+# A registered mechanism comparison: "<arm> collapses | prevents collapse | like_control | helps over <arm>",
+# optionally "at each rung" or "at <rung>" (without: the one rung the arm runs at).
+_MECHANISM_COMPARISON = re.compile(r"(?P<arm>\w+) (?P<kind>collapses|prevents collapse|like_control|helps over "
+                                   r"(?P<other>\w+))(?: at (?P<at>each rung|\w+))?")
+
+
+def _comparison_rungs(comparison: str, arms: list[str], at: str | None, grid: Grid, where: str
+                      ) -> list[tuple[str, str]]:
+    """(verdict name, rung) for each rung a registered comparison is judged at (every one of ``arms`` runs
+    there); ``where`` names the comparison's key for the error."""
+    ran = [r for r in grid.rungs if all(a in grid.arms and r in grid.only.get(a, grid.rungs) for a in arms)]
+    if at == "each rung" and ran:
+        return [(f"{comparison.removesuffix(' at each rung')} at {rung}", rung) for rung in ran]
+    if at is not None and at in ran:
+        return [(comparison, at)]
+    if at is None and len(ran) == 1:
+        return [(comparison, ran[0])]
+    raise ValueError(f"{where}: {comparison!r} names no rung where {' and '.join(arms)} run in grids.{grid.name} "
+                     f"(they share {ran or 'no rung'})")
+
+
+def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict: str) -> dict:
+    """The registered mechanism comparisons (``confirmatory_comparisons``), one verdict per rung each is
+    judged at; collapses, prevents collapse and like the control gated by the control's ``regime_verdict``."""
+    name = "mechanism"
+    grid = path_grids(registered)[name]
+    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    like, helps = rules["like_control_t"], rules["helps_t"]
+    final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
+    arm_at = lambda arm, rung: _by_seed(runs, name, arm, rung, registered)  # noqa: E731
+    where = f"experiments/{registered.get('experiment', '?')}/analysis.yaml: rules.confirmatory_comparisons.{name}"
+    out = {}
+    for comparison in rules["confirmatory_comparisons"][name]:
+        match = _MECHANISM_COMPARISON.fullmatch(comparison)
+        if match is None:
+            raise ValueError(f"{where}: {comparison!r} is not '<arm> collapses | prevents collapse | like_control | "
+                             "helps over <arm>' [at each rung | at <rung>]")
+        arm, kind, other = match["arm"], match["kind"], match["other"]
+        compared = [arm, "baseline"] if kind == "prevents collapse" else [arm, other] if other else [arm]
+        for key, rung in _comparison_rungs(comparison, compared, match["at"], grid, where):
+            mine = arm_at(arm, rung)
+            if kind == "collapses":
+                out[key] = _regime_gated({"kind": "collapses", **collapses(mine)}, regime_verdict)
+            elif kind == "prevents collapse":
+                out[key] = _regime_gated({"kind": "prevents_collapse",
+                                          **prevents_collapse(mine, arm_at("baseline", rung))}, regime_verdict)
+            elif kind == "like_control":
+                diff = _paired(mine, control, final)
+                verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
+                out[key] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
+                                          "difference": f"{arm} - control", **_interval(diff)}, regime_verdict)
+            else:  # helps over another arm at the same rung, paired by seed
+                alpha = 1 - helps["level"]
+                diff = _paired(mine, arm_at(other, rung), final)
+                # the noise model's paired sd at this rung (moerl.analysis.power): every arm - baseline,
+                # each centred on its own mean, as for the fp8 grid
+                baseline = arm_at("baseline", rung)
+                spread = [d for d in (_paired(arm_at(a, rung), baseline, final) for a in grid.arms
+                                      if a != "baseline" and rung in grid.only.get(a, grid.rungs)) if len(d) >= 2]
+                sd, _ = power.pooled_sd([list(d.values()) for d in spread])
+                n = len(diff)
+                power_at = (power.power_t(helps["smallest_effect"], helps["threshold"], sd, n, alpha)
+                            if sd == sd and n >= 2 else None)
+                out[key] = {"kind": "helps_over", "verdict": power.t_verdict(diff.values(), helps["threshold"], alpha),
+                            "difference": f"{arm} - {other}", **_interval(diff), "power_at_smallest_effect": power_at}
+    return out
+
+
+def mechanism_table(runs: list[dict], registered: dict) -> list[dict]:
+    """Exploratory, no verdict: per registered (arm, rung) of the mechanism grid, the seeds that collapsed,
+    the mean final pass@1 with its 95 % t interval, and the median over seeds of the run-median k3."""
+    grid = path_grids(registered)["mechanism"]
+    rows = []
+    for arm in grid.arms:
+        for rung in grid.only.get(arm, grid.rungs):
+            mine = _by_seed(runs, grid.name, arm, rung, registered)
+            finals = {s: r["pass1_end"] for s, r in mine.items() if r.get("pass1_end") is not None}
+            k3 = [r["k3_median"] for r in mine.values() if r.get("k3_median") is not None]
+            rows.append({"arm": arm, "rung": rung, "n": len(mine), "collapsed": len(_collapsed(mine)),
+                         "pass1_end": _interval(finals), "k3_median": float(np.median(k3)) if k3 else None})
+    return rows
+
+
 def report(runs: list[dict], registered: dict, rules: dict) -> dict:
-    """Progress of every path grid and the verdicts of the complete ones (the mechanism grid's rules are
-    reported by progress only until its analysis is written; it has not run)."""
+    """Progress of every path grid; the verdicts of each grid once it and the confirmatory control are
+    complete (the control's alone once it is); the mechanism grid's exploratory table once that grid is
+    complete (``exploratory``)."""
     status = progress(runs, registered)
-    out = {"progress": status, "verdicts": {}}
+    out = {"progress": status, "verdicts": {}, "exploratory": {}}
+    if status.get("mechanism", {}).get("complete"):
+        out["exploratory"]["mechanism"] = mechanism_table(runs, registered)
     if status.get("confirmatory_control", {}).get("complete"):
         controls = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
-        out["verdicts"]["confirmatory_control"] = {"regime": regime(controls, rules["regime_t"])}
+        control_regime = regime(controls, rules["regime_t"])
+        out["verdicts"]["confirmatory_control"] = {"regime": control_regime}
         if status.get("confirmatory_fp8", {}).get("complete"):
             out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules)
         if status.get("confirmatory_nvfp4_600", {}).get("complete"):
             out["verdicts"]["confirmatory_nvfp4_600"] = drift_verdicts(runs, registered, rules)
+        if status.get("mechanism", {}).get("complete"):
+            out["verdicts"]["mechanism"] = mechanism_verdicts(runs, registered, rules, control_regime["verdict"])
     return out
 
 
@@ -232,7 +377,8 @@ def _kind(comparison: str) -> str:
 def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
              registered: dict | None = None) -> str:
     """The report's section: a progress table, then each complete grid's verdicts, each followed by its
-    post-hoc label (``label(rules, grid)``, e.g. ``Registration.labels``) where one applies."""
+    post-hoc label (``label(rules, grid)``, e.g. ``Registration.labels``) where one applies, then the
+    mechanism grid's exploratory table (no verdict)."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
              "(finished runs are committed as they land).", "",
@@ -251,6 +397,10 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
             notes = []
             if v.get("collapsed_seeds"):
                 notes.append(f"collapsed seeds {v['collapsed_seeds']}")
+            if "baseline_collapsed_seeds" in v:
+                notes.append(f"the baseline's collapsed seeds {v['baseline_collapsed_seeds'] or 'none'}")
+            if "ungated" in v:
+                notes.append(f"gated: the control's regime verdict is {v['regime']} (ungated: {v['ungated']})")
             if v.get("power_at_smallest_effect") is not None:
                 notes.append(f"power {v['power_at_smallest_effect']:.2f} at the registered smallest effect")
             if v.get("acts_on", {}).get("min") is not None:
@@ -259,10 +409,20 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
             if "k3_growth" in v:
                 notes.append("late / early k3 " + ", ".join(f"{g:.2f}" for g in v["k3_growth"]))
             if label is not None and registered is not None:
-                rules = [r for r in RULES_USED[_kind(name)] if grid in registered["rules"][r]["grids"]]
+                rules = [r for r in RULES_USED[v.get("kind") or _kind(name)]
+                         if grid in registered["rules"][r]["grids"]]
                 late = label(rules, grid)
                 if late:
                     notes.append(f"*post hoc*: {late}")
             lines.append(f"| {name} | {v['verdict']} | {mean} | {interval.get('n', len(v.get('k3_growth', [])))} | "
                          f"{'; '.join(notes)} |")
+    for grid, rows in result.get("exploratory", {}).items():
+        lines += ["", f"**{grid} — exploratory** (no verdict: described, not tested)", "",
+                  "| arm | rung | collapsed | final pass@1 mean [95 % t interval] | median run k3 |",
+                  "|---|---|---|---|---|"]
+        for row in rows:
+            p = row["pass1_end"]
+            mean = (f"{p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}]" if p["mean"] is not None else "—")
+            k3 = "—" if row["k3_median"] is None else f"{row['k3_median']:.2e}"
+            lines.append(f"| {row['arm']} | {row['rung']} | {row['collapsed']} of {row['n']} | {mean} | {k3} |")
     return "\n".join(lines) + "\n"

@@ -80,6 +80,19 @@ def test_fp8_comparisons_follow_the_registered_rules():
     assert "r3 helps | yes" in text and "tis helps | not tested" in text
 
 
+def test_fp8_like_control_needs_a_learning_control():
+    """"Trains like the control" means nothing when the control does not learn: gated by its regime, as the
+    mechanism grid's verdicts; "helps" compares two arms and is not."""
+    rng = np.random.default_rng(1)
+    runs = [r for r in fp8_grid(rng, {"r3": 0.07}, {}) if r["arm"] != "fp32_control"]
+    runs += [run("fp32_control", "fp32", s, end=0.56 + rng.normal(0, 0.01)) for s in range(12)]  # gains ~0.01
+    out = confirmatory.report(runs, REGISTERED, RULES)["verdicts"]
+    assert out["confirmatory_control"]["regime"]["verdict"] == "no"
+    like = out["confirmatory_fp8"]["r3 like_control"]
+    assert like["verdict"] == "not tested" and like["ungated"] == "yes" and like["regime"] == "no"
+    assert out["confirmatory_fp8"]["r3 helps"]["verdict"] == "yes"
+
+
 def test_drift_at_600_steps():
     base = [run("baseline", "nvfp4", s, steps=600, k3_growth=g) for s, g in enumerate([8.0, 12.0, 9.0, 15.0, 10.0])]
     tis_ratio = RULES["acts_on_per_mechanism"]["ratio_tail"]
@@ -108,11 +121,11 @@ def test_verdicts_carry_the_post_hoc_label_of_their_rules():
 
     def label(rules, grid):
         seen.append((tuple(rules), grid))
-        return "regime_t (abc1234)" if "regime_t" in rules else ""
+        return "post hoc (regime_t: set by abc1234)" if "regime_t" in rules else ""
 
     text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES), label=label, registered=REGISTERED)
     assert (("regime_t", "collapse"), "confirmatory_control") in seen
-    assert "*post hoc*: regime_t (abc1234)" in text
+    assert "*post hoc (regime_t: set by abc1234)*" in text and "post hoc*: post hoc" not in text
 
 
 def test_the_recorded_tables_never_load_a_path_grid_run(tmp_path):
@@ -237,12 +250,12 @@ def test_mechanism_markdown_with_its_post_hoc_labels():
 
     def label(rules, grid):
         seen.append((tuple(rules), grid))
-        return "collapse (abc1234)" if grid == "mechanism" and "collapse" in rules else ""
+        return "post hoc (collapse: set by abc1234)" if grid == "mechanism" and "collapse" in rules else ""
 
     text = confirmatory.markdown(out, label=label, registered=REGISTERED)
     assert "**mechanism**" in text
-    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; *post hoc*: " \
-           "collapse (abc1234) |" in text
+    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; *post hoc " \
+           "(collapse: set by abc1234)* |" in text
     assert "| qat_int4_r3 helps over r3 at int4_kimi | yes | +0.1" in text
     # only the rules registered for the mechanism grid are looked up (prevents_collapse_seeds judges the main grid)
     assert (("collapse", "regime_t"), "mechanism") in seen and (("helps_t",), "mechanism") in seen

@@ -16,7 +16,7 @@ The rules (all one-sided 95 % t bounds over seeds, moerl.analysis.power.t_verdic
 - ``regime_t`` (confirmatory_control): the fp32 control learns when the lower bound of its mean held-out
   pass@1 gain is above 0.05 and no seed collapsed;
 - ``like_control_t``: arm - control (paired by seed) has its lower bound above -0.05 (yes) or its upper
-  bound below (no);
+  bound below (no); it needs a learning control, so it reads "not tested" unless ``regime_t`` says yes;
 - ``helps_t``: arm - baseline has its lower bound above 0; its power is computed at the registered
   smallest effect (+0.025) from the grid's own paired spread;
 - ``acts_on_per_mechanism``: TIS's ratio-tail share and MIS / IcePop's masked share must reach the floor
@@ -33,8 +33,8 @@ counting collapsed seeds -- collapse against no collapse is a large effect, and 
   seed of the arm collapsed, no when as many did, partly when fewer;
 - ``like_control_t`` against the confirmatory control and ``helps_t`` between two arms at one rung, as above,
   the latter with its power at the registered smallest effect from the grid's own pooled paired spread.
-The verdicts that need a learning control (collapses, prevents collapse, like the control) read "not
-tested" unless the confirmatory control's ``regime_t`` verdict is yes; the ungated verdict is kept beside
+The verdicts that need a learning control (collapses, prevents collapse, like the control -- here and at
+fp8) read "not tested" unless the confirmatory control's ``regime_t`` verdict is yes; the ungated verdict is kept beside
 them. Every registered (arm, rung) also gets an exploratory row (collapsed seeds, mean final pass@1 with its
 t interval, median run k3) with no verdict. Like the fp8 verdicts, the mechanism verdicts wait for both the
 mechanism grid and the confirmatory control to be complete; the exploratory rows for the mechanism grid.
@@ -180,8 +180,9 @@ def _acted(arm: str, runs: dict[int, dict], rule: dict) -> tuple[str | None, lis
     return measure, shares, bool(shares) and len(shares) == len(runs) and min(shares) >= rule["floor"]
 
 
-def fp8_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
-    """The registered fp8 comparisons (``confirmatory_comparisons``), each with its t interval and power."""
+def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict: str) -> dict:
+    """The registered fp8 comparisons (``confirmatory_comparisons``), each with its t interval and power;
+    "like the control" needs a learning control and is gated by the control's ``regime_verdict``."""
     grid = "confirmatory_fp8"
     control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
     baseline = _by_seed(runs, grid, "baseline", "fp8", registered)
@@ -203,7 +204,8 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
         if kind == "like_control":
             diff = _paired(mine, control, final)
             verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
-            out[comparison] = {"verdict": verdict, "difference": f"{arm} - control", **_interval(diff)}
+            out[comparison] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
+                                             "difference": f"{arm} - control", **_interval(diff)}, regime_verdict)
         elif kind == "helps":
             diff = _paired(mine, baseline, final)
             measure, shares, acted = _acted(arm, mine, acts)
@@ -214,8 +216,9 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
             out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff),
                                "acts_on": {"measure": measure, "min": min(shares) if shares else None,
                                            "floored": acted is not None},
-                               "power_at_smallest_effect": (power.power_t(helps["smallest_effect"], helps["threshold"],
-                                                                          sd, n, alpha) if sd == sd and n >= 2 else None)}
+                               "power_at_smallest_effect": (
+                                   power.power_t(helps["smallest_effect"], helps["threshold"], sd, n, alpha)
+                                   if sd == sd and n >= 2 else None)}
     return out
 
 
@@ -361,7 +364,7 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
         control_regime = regime(controls, rules["regime_t"])
         out["verdicts"]["confirmatory_control"] = {"regime": control_regime}
         if status.get("confirmatory_fp8", {}).get("complete"):
-            out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules)
+            out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules, control_regime["verdict"])
         if status.get("confirmatory_nvfp4_600", {}).get("complete"):
             out["verdicts"]["confirmatory_nvfp4_600"] = drift_verdicts(runs, registered, rules)
         if status.get("mechanism", {}).get("complete"):
@@ -413,7 +416,7 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
                          if grid in registered["rules"][r]["grids"]]
                 late = label(rules, grid)
                 if late:
-                    notes.append(f"*post hoc*: {late}")
+                    notes.append(f"*{late}*")
             lines.append(f"| {name} | {v['verdict']} | {mean} | {interval.get('n', len(v.get('k3_growth', [])))} | "
                          f"{'; '.join(notes)} |")
     for grid, rows in result.get("exploratory", {}).items():

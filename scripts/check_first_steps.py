@@ -2,8 +2,10 @@
 one that fails.
 
     python scripts/check_first_steps.py RUN [--experiment experiments/04_moonlight_16b_a3b_r3] [--r3]
-                                        [--checkpoint CKPT --ep N]
+                                        [--refit-log LOG] [--checkpoint CKPT --ep N]
     RUN: a moerl run directory, a verl file-logger .jsonl, a verl console log, or wandb:ENTITY/PROJECT/RUN_ID
+    LOG: the run's refit side log (moerl.verl_ext.refit_log; the launcher prints its path); found by itself
+         as X.refit.jsonl beside a run log X.jsonl. It decides the refit at any learning rate.
     CKPT: the trainer's checkpoint of the adapter (Megatron torch_dist / DCP directory, .pt or .safetensors)
 
 The invariants, their reasons and the bf16 floors: moerl.verl_ext.first_steps; the checkpoint's:
@@ -29,12 +31,21 @@ def main(argv: list[str] | None = None, api=None) -> int:
     ap.add_argument("--refit-undecided-ok", action="store_true",
                     help="accept a run whose log cannot decide the refit (no refit/version, updates too small); "
                          "prints that the refit was not checked")
+    ap.add_argument("--refit-log", help="the run's refit side log (default: RUN's X.refit.jsonl beside X.jsonl, "
+                                        "if it exists); decides the refit at any learning rate")
     ap.add_argument("--checkpoint", help="also check the trainer checkpoint's shared expert adapter across EP ranks")
     ap.add_argument("--ep", type=int, help="expert-parallel size of that checkpoint (names the drifted EP ranks)")
     args = ap.parse_args(argv)
     try:
         fam, r3 = fs.family_and_r3(args.run, args.experiment)
         rows = fs.read_rows(args.run, api=api)
+        side = args.refit_log
+        if side is None and not str(args.run).startswith("wandb:"):
+            from moerl.verl_ext.refit_log import beside
+
+            found = beside(args.run)
+            side = found if found.is_file() else None
+        refit_log = fs.read_refit_log(side) if side is not None else None
         tensors = None
         if args.checkpoint:
             from moerl.verl_ext.checkpoint_check import read_checkpoint
@@ -45,7 +56,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
         return 2
     family = args.family or fam
     verdicts = fs.check(rows, family or "?", r3=bool(args.r3 or r3), floor=args.floor,
-                        r3_unlogged_ok=args.r3_unlogged_ok, refit_undecided_ok=args.refit_undecided_ok)
+                        r3_unlogged_ok=args.r3_unlogged_ok, refit_undecided_ok=args.refit_undecided_ok,
+                        refit_log=refit_log, refit_log_source=f"refit side log {side}")
     if tensors is not None:
         from moerl.verl_ext.checkpoint_check import check_shared_expert_copies
 

@@ -162,6 +162,87 @@ def test_refit_is_decided_at_lr_1e4_and_1e5_by_k3_and_at_1e6_only_by_the_version
     assert not stuck.ok and "did not advance from step 1->2" in stuck.detail
 
 
+def _lora(step: int, lr: float) -> dict:
+    """Two LoRA pairs as verl's export sends them, bf16: A from a fixed init, B = step x lr (B starts at 0)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for layer in (0, 1):
+        stem = f"base_model.model.model.layers.{layer}.mlp.experts.down_proj"
+        out[f"{stem}.lora_A.weight"] = (torch.randn(8, 32, generator=g) * 0.02).to(torch.bfloat16)
+        out[f"{stem}.lora_B.weight"] = torch.full((32, 8), step * lr).to(torch.bfloat16)
+    return out
+
+
+LOST = "base_model.model.model.layers.1.mlp.experts.down_proj.lora_B.weight"
+
+
+def _side_log(path: Path, lr: float = 1e-6, stale_at=None, skip=None, partial_at=None, ranks=(0, 1)) -> Path:
+    """A side log as moerl.verl_ext.refit_log writes it (its own row code): the base sync, then one adapter
+    update per step 0-5 per rank. ``stale_at``: that step resends the previous step's LoRA; ``skip``: that
+    step sends nothing; ``partial_at``: rank 1 leaves one tensor out at that step."""
+    from moerl.verl_ext import refit_log
+
+    stub = type("Adapter", (), {"replica_rank": 0, "rollout_rank": 0})()
+    for rank in ranks:
+        refit_log._first_names.clear()  # each rank is its own process
+        base = refit_log.Update(stub, 0, "named_tensors", {"peft_config": {}, "base_sync_done": False})
+        base.see("model.embed_tokens.weight", _lora(0, lr)[LOST])
+        refit_log.append_row(path, {**base.row(), "rank": rank})
+        for step in range(6):
+            if step == skip:
+                continue
+            tensors = _lora(step - 1 if step == stale_at else step, lr)
+            if step == partial_at and rank == 1:
+                tensors.pop(LOST)
+            update = refit_log.Update(stub, step, "named_tensors", {"peft_config": {}, "base_sync_done": True})
+            for name, t in tensors.items():
+                update.see(name, t)
+            refit_log.append_row(path, {**update.row(), "rank": rank})
+    return path
+
+
+def _refit_verdict(tmp_path, **side):
+    """scripts/check_first_steps.py on a five-step verl log at lr 1e-6 (k3 cannot tell) with the side log
+    found beside it."""
+    run = _write_jsonl(tmp_path / "run.jsonl", _gpu_log(1e-6, False))
+    _side_log(tmp_path / "run.refit.jsonl", **side)
+    verdicts = fs.check(fs.read_rows(run), "qwen3_moe", False, floor=2e-3,
+                        refit_log=fs.read_refit_log(tmp_path / "run.refit.jsonl"))
+    code = cli.main([str(run), "--family", "qwen3_moe", "--floor", "2e-3"])
+    return next(v for v in verdicts if v.name == "refit"), code
+
+
+def test_side_log_decides_the_refit_at_lr_1e6(tmp_path):
+    healthy, code = _refit_verdict(tmp_path)
+    assert healthy.ok and code == 0, healthy.detail  # no --refit-undecided-ok needed
+    assert "changed the LoRA checksum" in healthy.detail and "ranks 0, 1" in healthy.detail
+
+
+@pytest.mark.parametrize("fault,side,reason", [
+    ("stale", {"stale_at": 3}, "stale: the update after step 3 has the checksum of the update after step 2 on ranks 0, 1"),
+    ("missing", {"skip": 3}, "no update after step 3 (global_steps=3, the weights step 4's rollout samples from) "
+                             "on ranks 0, 1"),
+    ("partial", {"partial_at": 2}, f"partial refit: the update after step 2 sends 3 tensors whose names differ "
+                                   f"from the first update's 4 on rank 1 (-{LOST})"),
+])
+def test_side_log_names_a_stale_missing_or_partial_refit(tmp_path, fault, side, reason):
+    verdict, code = _refit_verdict(tmp_path, **side)
+    assert not verdict.ok and code == 1 and reason in verdict.detail, verdict.detail
+
+
+def test_side_log_given_by_flag_or_unreadable(tmp_path, capsys):
+    run = _write_jsonl(tmp_path / "run.jsonl", _gpu_log(1e-6, False))
+    log = _side_log(tmp_path / "elsewhere" / "run_seed2.refit.jsonl", stale_at=2)
+    assert cli.main([str(run), "--family", "qwen3_moe", "--floor", "2e-3", "--refit-log", str(log)]) == 1
+    assert "stale: the update after step 2" in capsys.readouterr().out
+    log.write_text(log.read_text() + '{"step": 3}\n')
+    assert cli.main([str(run), "--family", "qwen3_moe", "--refit-log", str(log)]) == 2
+    assert "not a refit side-log row" in capsys.readouterr().err
+    assert cli.main([str(run), "--family", "qwen3_moe", "--refit-log", str(tmp_path / "none.jsonl")]) == 2
+
+
 def test_r3_violation_and_unlogged_agreement_fail(tmp_path):
     path = _crafted(tmp_path, _set(1, "replay/violations", 3), run="r3/seed0")
     assert _failed(path, "qwen3_moe", True) == {"r3"}

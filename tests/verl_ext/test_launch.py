@@ -19,6 +19,10 @@ def test_dry_run_prints_command(name, arm, capsys):
     assert "-m verl.trainer.main_ppo" in out and "--config-name ppo_megatron_trainer" in out
     assert "actor_rollout_ref.model.lora.rank=32" in out
     assert "ok  [verl.validate_config]" in out
+    # every run records its weight updates for check_first_steps.py (moerl.verl_ext.refit_log)
+    assert "ok  [refit.side_log_reaches_workers]" in out
+    assert f"MOERL_REFIT_LOG={launch.REPO}/logs/moerl/" in out and "VERL_USE_EXTERNAL_MODULES=moerl.verl_ext.refit_log" in out
+    assert f"# refit side log: {launch.REPO}/logs/moerl/" in out and ".refit.jsonl (python scripts/check_first_steps" in out
 
 
 def _bad(tmp_path, base, verl, moerl=None):
@@ -66,12 +70,12 @@ def test_moerl_loss_reaches_ray_workers_with_matching_clip(tmp_path):
     d = _bad(tmp_path, MOON, {}, moerl={"loss": {"variant": "tis", "eps_high": 0.28}})
     exp, cfg, checks, _ = launch.prepare(d)
     env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
-    assert env_vars["VERL_USE_EXTERNAL_MODULES"] == "moerl.verl_ext.losses"
+    assert env_vars["VERL_USE_EXTERNAL_MODULES"] == "moerl.verl_ext.losses,moerl.verl_ext.refit_log"
     assert '"variant":"tis"' in env_vars["MOERL_LOSS_CONFIG"]
     assert select(cfg, "actor_rollout_ref.actor.clip_ratio_high") == 0.28
     assert select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode") == "moerl_tis"
     assert any(c.name == "loss.moerl_reaches_workers" and c.ok for c in checks)
-    assert env_for(cfg)["VERL_USE_EXTERNAL_MODULES"] == "moerl.verl_ext.losses"  # the driver imports it too
+    assert env_for(cfg)["VERL_USE_EXTERNAL_MODULES"] == env_vars["VERL_USE_EXTERNAL_MODULES"]  # the driver too
 
 
 def test_cli_overrides_seed_and_wandb_group(capsys):
@@ -83,6 +87,36 @@ def test_cli_overrides_seed_and_wandb_group(capsys):
     assert "WANDB_RUN_GROUP=03_qwen3_30b_a3b_lora_mitigations" in out
     assert "WANDB_TAGS=03_qwen3_30b_a3b_lora_mitigations,arm:r3,seed:7,ep:4" in out
     assert "GPU-hours = 8 GPUs x 20 steps" in out
+
+
+def test_refit_side_log_is_per_seed_beside_the_runs_log_and_reaches_workers():
+    """A seeded bring-up rung writes its side log beside verl's file log under the seed's run name; a
+    runtime env that drops the module or the path is refused by name; an empty path turns it off."""
+    from omegaconf import OmegaConf
+
+    from moerl.verl_ext.compose import select
+
+    rung = EXP / "04_moonlight_16b_a3b_r3" / "bringup" / "rung1.yaml"
+    _, cfg, _, _ = launch.prepare(rung, seed=3)
+    env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    assert Path(env_vars["MOERL_REFIT_LOG"]) == Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent / "04_rung1_seed3.refit.jsonl"
+    assert "moerl.verl_ext.refit_log" in env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")
+
+    def rule(**env):
+        changed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        changed.ray_kwargs.ray_init.runtime_env.env_vars.update(env)
+        checks = []
+        launch._refit_log_check(changed, lambda name, ok, detail: checks.append((name, ok, detail)))
+        assert [c[0] for c in checks] == ["refit.side_log_reaches_workers"]
+        return checks[0][1:]
+
+    assert rule()[0]
+    ok, detail = rule(VERL_USE_EXTERNAL_MODULES="other.module")
+    assert not ok and "lacks moerl.verl_ext.refit_log" in detail and "launch through moerl.verl_ext.launch" in detail
+    ok, detail = rule(MOERL_REFIT_LOG="logs/relative.refit.jsonl")
+    assert not ok and "an absolute path every node sees" in detail
+    ok, detail = rule(MOERL_REFIT_LOG="")
+    assert ok and "set empty" in detail
 
 
 def test_cli_override_that_breaks_a_rule_exits_2(capsys):

@@ -22,9 +22,20 @@ Invariants:
   mismatch stays numerics. A stale refit grows k3 too (see ``refit``, which tells them apart where
   ``refit/version`` is logged).
 - ``r3``: under R3 the replayed-routing agreement is 1.0 and no replay violation is logged.
-- ``refit``: the rollout engine serves the updated policy from step 2 on. Where moerl logs
-  ``refit/version`` it must advance every step: exact at any learning rate. Otherwise the rule
-  reads k3 and ``actor/ppo_kl``:
+- ``refit``: the rollout engine serves the updated policy from step 2 on. Exact at any learning rate
+  where a record of the updates exists:
+
+  * the refit side log of a verl run (``moerl.verl_ext.refit_log``; the launcher writes it beside
+    the run's logs, ``X.refit.jsonl`` next to ``X.jsonl``): one row per weight update and rank with
+    verl's ``global_steps`` and a checksum of the LoRA tensors sent. verl sends the weights trained
+    in step j at the end of step j (``global_steps=j``; 0 is the sync before step 1), and step j+1's
+    rollout samples from them. For every step k >= 2 checked, every rank must have sent update
+    k-1 (else: no update), with a checksum other than update k-2's (else: stale, the LoRA sent did
+    not change) and the tensor names of its first update (else: partial refit). Any changed byte
+    changes the checksum, so a 1e-6 learning rate decides as well as 1e-4;
+  * ``refit/version``, which moerl's own trainer logs: it must advance every step.
+
+  Without either, the rule reads k3 and ``actor/ppo_kl``:
 
   * A stale rollout (still at the step-0 weights) at step k is compared with a trainer holding the
     weights after k-1 updates, so k3 at step k is its step-1 value f (numerics, LoRA B = 0) plus
@@ -231,8 +242,10 @@ def _round_up(x: float) -> float:
 # ---- the invariants -----------------------------------------------------------------------------
 
 def check(rows: list[dict], family: str, r3: bool, floor: float | None = None,
-          r3_unlogged_ok: bool = False, refit_undecided_ok: bool = False) -> list[Verdict]:
-    """Every invariant on a run's first steps."""
+          r3_unlogged_ok: bool = False, refit_undecided_ok: bool = False,
+          refit_log: list[dict] | None = None, refit_log_source: str = "refit side log") -> list[Verdict]:
+    """Every invariant on a run's first steps; ``refit_log``: the rows of the run's refit side log
+    (``read_refit_log``), which decide the refit when given."""
     steps = by_step(rows)
     floor = BF16_K3_FLOOR.get(family) if floor is None else floor
     out = []
@@ -259,7 +272,10 @@ def check(rows: list[dict], family: str, r3: bool, floor: float | None = None,
     out.append(_growth(steps, floor))
     if r3:
         out.append(_r3(steps, r3_unlogged_ok))
-    out.append(_refit(steps, floor, refit_undecided_ok))
+    if refit_log is not None:
+        out.append(_refit_side_log(refit_log, steps, refit_undecided_ok, refit_log_source))
+    else:
+        out.append(_refit(steps, floor, refit_undecided_ok))
     return out
 
 
@@ -335,10 +351,110 @@ def _refit(steps: dict[int, dict], floor: float | None = None, undecided_ok: boo
     return Verdict("refit", True, f"{detail}: the rollout follows the updated policy")
 
 
-def _undecided(why: str, ok: bool) -> Verdict:
-    return Verdict("refit", ok, f"undecided: {why}; log refit/version to decide at any learning rate"
+_DECIDE_HINT = ("log refit/version (moerl) or write the refit side log (verl: moerl.verl_ext.refit_log, set by "
+                "the launcher; check with --refit-log) to decide at any learning rate")
+
+
+def _undecided(why: str, ok: bool, hint: str = _DECIDE_HINT) -> Verdict:
+    return Verdict("refit", ok, f"undecided: {why}; {hint}"
                    + ("; accepted by --refit-undecided-ok, the refit was NOT checked" if ok else
                       "; pass --refit-undecided-ok to accept the run without this check"))
+
+
+# ---- the refit side log ------------------------------------------------------------------------------
+
+SIDE_LOG_KEYS = ("global_steps", "names_digest", "checksum")
+
+
+def read_refit_log(path: str | Path) -> list[dict]:
+    """The rows of a refit side log (``moerl.verl_ext.refit_log``), in file order."""
+    p = Path(path)
+    if not p.is_file():
+        raise RunReadError(f"{p}: no such refit side log (the launcher writes it beside the run's logs as "
+                           f"<run>.refit.jsonl; see env MOERL_REFIT_LOG in the printed command)")
+    rows = []
+    for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise RunReadError(f"{p}:{n}: not JSON ({err})") from None
+        if not isinstance(rec, dict) or any(k not in rec for k in SIDE_LOG_KEYS):
+            raise RunReadError(f"{p}:{n}: not a refit side-log row (expected keys {', '.join(SIDE_LOG_KEYS)}, "
+                               f"as moerl.verl_ext.refit_log writes them)")
+        rows.append(rec)
+    return rows
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks, key=lambda r: (r is None, r if isinstance(r, int) else 0, str(r)))
+    text = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _refit_side_log(log: list[dict], steps: dict[int, dict], undecided_ok: bool, source: str) -> Verdict:
+    """The refit judged from the side log: every step k >= 2 checked must sample from a new, complete
+    update, the one sent at the end of step k-1 (``global_steps=k-1``)."""
+    served = [k for k in CHECK_STEPS if k >= 2 and (not steps or k in steps)]
+    needed = [k - 1 for k in served]
+    updates = [r for r in log if r.get("kind") != "base" and r.get("global_steps") is not None]
+    if not needed:
+        return _undecided(f"{source}: the run log has no step >= 2 to check", undecided_ok, "run at least 2 steps")
+    if not updates:
+        return Verdict("refit", False, f"{source}: no weight update recorded: the rollout engine never received "
+                                       f"the trainer's weights, or the side log was not installed in the workers "
+                                       f"(env VERL_USE_EXTERNAL_MODULES must name moerl.verl_ext.refit_log)")
+    missing: dict[tuple[int, str], set] = {}
+    stale: dict[int, set] = {}
+    partial: dict[tuple[int, int, int], set] = {}
+    unhashed: dict[int, set] = {}
+    changed_names: dict[tuple[int, int, int], list[str]] = {}
+    ranks = {r.get("rank") for r in updates}
+    for rank in ranks:
+        last: dict[int, dict] = {}
+        for r in updates:
+            if r.get("rank") == rank:
+                last[int(r["global_steps"])] = r  # a repeated update of a step: the last one counts
+        sent = {j: r for j, r in last.items() if r.get("ok", True) and r.get("count")}
+        ref = sent[min(sent)] if sent else None
+        for j in needed:
+            r = sent.get(j)
+            if r is None:
+                bad = last.get(j)
+                why = ("" if bad is None else f" ({bad['error']})" if bad.get("error") else " (no tensors)")
+                missing.setdefault((j, why), set()).add(rank)
+                continue
+            if r["names_digest"] != ref["names_digest"]:
+                key = (j, int(r["count"]), int(ref["count"]))
+                partial.setdefault(key, set()).add(rank)
+                diff = [f"-{n}" for n in r.get("names_removed", [])[:3]] + [f"+{n}" for n in r.get("names_added", [])[:3]]
+                changed_names.setdefault(key, diff)
+            prev = sent.get(j - 1)
+            if r["checksum"] is None:
+                unhashed.setdefault(j, set()).add(rank)
+            elif prev is not None and prev["checksum"] == r["checksum"]:
+                stale.setdefault(j, set()).add(rank)
+    problems = [f"no update after step {j} (global_steps={j}, the weights step {j + 1}'s rollout samples from) "
+                f"on {_ranks(rs)}{why}" for (j, why), rs in sorted(missing.items(), key=lambda kv: kv[0][0])]
+    problems += [f"stale: the update after step {j} has the checksum of the update after step {j - 1} on "
+                 f"{_ranks(rs)}: the LoRA sent did not change, step {j + 1} samples from old weights"
+                 for j, rs in sorted(stale.items())]
+    problems += [f"partial refit: the update after step {j} sends {n} tensors whose names differ from the first "
+                 f"update's {n0} on {_ranks(rs)}" + (f" ({', '.join(changed_names[(j, n, n0)])})"
+                                                     if changed_names.get((j, n, n0)) else "")
+                 for (j, n, n0), rs in sorted(partial.items())]
+    if problems:
+        return Verdict("refit", False, f"{source}: " + "; ".join(problems[:4])
+                       + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+                       + "; check the weight sync (verl ActorRolloutRefWorker.update_weights) and the adapter export")
+    if unhashed:
+        return _undecided(f"{source}: the updates after steps {sorted(unhashed)} carry no checksum (only LoRA "
+                          f"adapter updates are hashed by default)", undecided_ok,
+                          "set MOERL_REFIT_LOG_HASH=all in the run's runtime env to hash full-weight updates")
+    return Verdict("refit", True, f"{source}: the updates after steps {needed[0]}-{needed[-1]} (served to steps "
+                                  f"{served[0]}-{served[-1]}) each changed the LoRA checksum and kept the first "
+                                  f"update's tensor names, on {_ranks(ranks)}")
 
 
 def family_and_r3(run: str | Path, experiment: str | Path | None = None) -> tuple[str | None, bool | None]:

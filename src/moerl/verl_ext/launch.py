@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moerl import planner
 from moerl.config import LossConfig, from_dict
-from moerl.verl_ext import constraints, losses
+from moerl.verl_ext import constraints, losses, refit_log
 from moerl.verl_ext.compose import (VERL_CONFIG_NAME, Experiment, ExperimentError, compose_experiment,
                                     env_for, load_experiment, select)
 
@@ -192,6 +192,7 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
     _guarded(checks, "basics", basics)
     _guarded(checks, "replay", lambda: _replay_checks(cfg, mcfg, check))
     _guarded(checks, "loss", lambda: _loss_checks(cfg, check))
+    _guarded(checks, "refit.side_log_reaches_workers", lambda: _refit_log_check(cfg, check))
     _guarded(checks, "verl.ref_settings_need_a_reference_model", lambda: _ref_check(cfg, exp, check))
 
     if p is not None:
@@ -261,6 +262,35 @@ def _loss_checks(cfg, check) -> None:
               f"{sorted(env_vars)}); fix: declare the loss as moerl.loss in the experiment so the launcher "
               f"applies moerl.verl_ext.losses.verl_overrides (source: verl 0.9.1: verl/__init__.py imports "
               f"VERL_USE_EXTERNAL_MODULES; verl/trainer/main_ppo.py passes ray_init.runtime_env to ray.init)")
+
+
+def _refit_log_check(cfg, check) -> None:
+    """The refit side log reaches every verl process: its path and module ride in the Ray runtime env,
+    and the rollout is the vLLM server adapter it wraps. An empty MOERL_REFIT_LOG set on the command
+    line turns it off (the first-step check then judges the refit from k3)."""
+    env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    path = env_vars.get(refit_log.ENV_PATH)
+    if path is not None and str(path) == "":
+        check("refit.side_log_reaches_workers", True, f"{refit_log.ENV_PATH} set empty: no refit side log, "
+              f"check_first_steps.py judges the refit from k3 (undecided at lr 1e-6..1e-4)")
+        return
+    mods = str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "")).split(",")
+    rollout = (select(cfg, "actor_rollout_ref.rollout.name"), select(cfg, "actor_rollout_ref.rollout.mode"))
+    problems = []
+    if not path or not Path(str(path)).is_absolute():
+        problems.append(f"{refit_log.ENV_PATH}={path!r} (an absolute path every node sees expected)")
+    if refit_log.MODULE not in mods:
+        problems.append(f"VERL_USE_EXTERNAL_MODULES={env_vars.get('VERL_USE_EXTERNAL_MODULES')!r} lacks "
+                        f"{refit_log.MODULE}")
+    if rollout != refit_log.REGISTRY_KEY:
+        problems.append(f"rollout name/mode {rollout} (the side log wraps verl's {refit_log.REGISTRY_KEY} adapter)")
+    check("refit.side_log_reaches_workers", not problems,
+          "; ".join(problems) + ": Ray workers see only ray_kwargs.ray_init.runtime_env.env_vars, so without both "
+          "no update is recorded and check_first_steps.py cannot decide the refit at lr 1e-6..1e-4; fix: launch "
+          "through moerl.verl_ext.launch, which sets them per run and seed (or set "
+          f"+ray_kwargs.ray_init.runtime_env.env_vars.{refit_log.ENV_PATH}='' to run without it)"
+          if problems else f"every update the vLLM rollout receives is recorded in {path} "
+          f"(scripts/check_first_steps.py --refit-log)")
 
 
 def _ref_check(cfg, exp: Experiment, check) -> None:
@@ -396,7 +426,10 @@ def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[s
       (verl's default is relative to the Ray worker's working directory);
     - every ``ray_kwargs.ray_init.runtime_env.env_vars`` value written with an OmegaConf
       interpolation (``${oc.env:MOERL_REPO,.}/...``) is replaced by its value here: verl passes the
-      runtime env to Ray as text and Ray expands only ``${NAME}`` (rule verl.runtime_env_resolved).
+      runtime env to Ray as text and Ray expands only ``${NAME}`` (rule verl.runtime_env_resolved);
+    - the refit side log (``moerl.verl_ext.refit_log``): ``MOERL_REFIT_LOG`` names this run's file
+      (``refit_log_path``) and ``VERL_USE_EXTERNAL_MODULES`` gains the module, so every verl process
+      installs it (rule refit.side_log_reaches_workers).
 
     A key set on the command line (``extra``) is left as the user wrote it."""
     from omegaconf import OmegaConf
@@ -422,6 +455,42 @@ def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[s
         except Exception:  # e.g. ${oc.env:X} with X unset here: left as is, rule verl.runtime_env_resolved names it
             continue
         out.append(f"{full}={_format_value(str(value))}")
+    out += _refit_log_overrides(cfg, name, mine)
+    return out
+
+
+def refit_log_path(cfg, experiment_name: str) -> Path:
+    """This run's refit side log: ``<experiment_name>.refit.jsonl`` in the folder of verl's file log
+    (``VERL_FILE_LOGGER_PATH``: a bring-up rung's ``logs/bringup/NN_rungN.refit.jsonl``, beside
+    ``NN_rungN.jsonl``), else in ``<repo>/logs/<project>/``. The experiment name carries ``_seed<N>``,
+    so seeds never share a file. The repository is on storage every node sees (the sbatch installs it
+    on each node), as the rows of every node's workers land in this one file."""
+    from omegaconf import OmegaConf
+
+    env_node = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    try:
+        file_log = OmegaConf.select(env_node, "VERL_FILE_LOGGER_PATH", throw_on_resolution_failure=True) \
+            if env_node is not None else None
+    except Exception:  # an unresolvable path: rule verl.runtime_env_resolved names it
+        file_log = None
+    folder = Path(str(file_log)).parent if file_log else REPO / "logs" / str(select(cfg, "trainer.project_name"))
+    return (folder / f"{experiment_name}{refit_log.SUFFIX}").resolve()
+
+
+def _refit_log_overrides(cfg, experiment_name: str, mine: set[str]) -> list[str]:
+    from moerl.verl_ext.compose import _format_value
+
+    prefix = "ray_kwargs.ray_init.runtime_env.env_vars"
+    env_vars = select(cfg, prefix) or {}
+    out = []
+    if f"{prefix}.{refit_log.ENV_PATH}" not in mine:
+        add = "" if refit_log.ENV_PATH in env_vars else "+"
+        path = refit_log_path(cfg, experiment_name)
+        out.append(f"{add}{prefix}.{refit_log.ENV_PATH}={_format_value(str(path))}")
+    mods = [m for m in str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "") or "").split(",") if m]
+    if f"{prefix}.VERL_USE_EXTERNAL_MODULES" not in mine and refit_log.MODULE not in mods:
+        add = "" if "VERL_USE_EXTERNAL_MODULES" in env_vars else "+"
+        out.append(f"{add}{prefix}.VERL_USE_EXTERNAL_MODULES={_format_value(','.join(mods + [refit_log.MODULE]))}")
     return out
 
 
@@ -515,11 +584,14 @@ def main(argv: list[str] | None = None) -> int:
     ray = os.environ.get("RAY_ADDRESS")
     print(f"# ray: {'joins ' + ray if ray else 'verl starts a local Ray instance (single node)'}")
     print(format_command(cmd, env))
+    if env.get(refit_log.ENV_PATH):
+        print(f"# refit side log: {env[refit_log.ENV_PATH]} (python scripts/check_first_steps.py LOG --refit-log "
+              f"{env[refit_log.ENV_PATH]})")
     if args.dry_run:
         return 0
-    log = env.get("VERL_FILE_LOGGER_PATH")
-    if log:  # verl's FileLogger opens this path without creating its folder
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
+    for log in (env.get("VERL_FILE_LOGGER_PATH"), env.get(refit_log.ENV_PATH)):
+        if log:  # verl's FileLogger opens its path without creating the folder
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
     return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
 
 

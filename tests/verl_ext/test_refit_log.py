@@ -179,6 +179,14 @@ def test_install_points_verls_registry_at_the_logged_adapter(tmp_path, monkeypat
     assert cls.__name__ == "LoggedVLLMServerAdapter" and issubclass(cls, FakeAdapter)
     assert refit_log.install() is True  # a second import changes nothing
 
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    monkeypatch.setenv(refit_log.ENV_PATH, str(blocked / "x.refit.jsonl"))  # its folder is a file
+    monkeypatch.setitem(base._ROLLOUT_REGISTRY, refit_log.REGISTRY_KEY, refit_log.UPSTREAM)
+    with pytest.raises(refit_log.RefitLogError, match="cannot open the refit side log"):
+        refit_log.install()
+    assert base._ROLLOUT_REGISTRY[refit_log.REGISTRY_KEY] == refit_log.UPSTREAM  # refused before patching
+
     monkeypatch.setitem(base._ROLLOUT_REGISTRY, refit_log.REGISTRY_KEY, "somewhere.else.Adapter")
     with pytest.raises(refit_log.RefitLogError, match="somewhere.else.Adapter"):
         refit_log.install()

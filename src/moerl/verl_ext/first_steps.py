@@ -19,8 +19,8 @@ Invariants:
   apply differently (a shared-expert adapter summed TP times in the trainer, copies of a shared
   adapter that drifted apart across EP ranks) shows up, and grows with B, step after step. Healthy,
   the median k3 of steps 2-5 stays within ``GROWTH_FACTOR`` of max(step-1 k3, bf16 floor): the
-  mismatch stays numerics. A stale refit grows k3 too (see ``refit``, which tells them apart where
-  ``refit/version`` is logged).
+  mismatch stays numerics. A stale refit grows k3 too (see ``refit``, which tells them apart where a refit
+  side log or ``refit/version`` exists).
 - ``r3``: under R3 the replayed-routing agreement is 1.0 and no replay violation is logged.
 - ``refit``: the rollout engine serves the updated policy from step 2 on. Exact at any learning rate
   where a record of the updates exists:

@@ -176,6 +176,7 @@ def install() -> bool:
                             f"verl=={VERL_VERSION} or unset {ENV_PATH}")
     source = Path(base.__file__).resolve().parent / UPSTREAM_SOURCE
     check_signature(signature_from_source(source), str(source))
+    _open(Path(os.environ[ENV_PATH]))  # an unwritable path fails now, before any model is loaded
     base._ROLLOUT_REGISTRY[REGISTRY_KEY] = ours
     return True
 
@@ -220,6 +221,7 @@ def __getattr__(name: str):
 
 # ---- one update ---------------------------------------------------------------------------------------
 
+NAMES_KEPT = 20  # a row names at most this many added/removed tensors (and counts them all)
 _first_names: dict[str, frozenset] = {}  # kind -> names of this process's first update of that kind
 
 
@@ -290,8 +292,9 @@ class Update:
             row["error"] = error
         first = _first_names.setdefault(self.kind, frozenset(names)) if error is None else None
         if first is not None and first != frozenset(names):
-            row["names_added"] = sorted(set(names) - first)
-            row["names_removed"] = sorted(first - set(names))
+            added, removed = sorted(set(names) - first), sorted(first - set(names))
+            row.update(names_added=added[:NAMES_KEPT], names_added_count=len(added),
+                       names_removed=removed[:NAMES_KEPT], names_removed_count=len(removed))
         return row
 
     def write(self, error: str | None = None) -> None:
@@ -335,14 +338,8 @@ def _int(text):
 
 def append_row(path: str | Path, row: dict) -> None:
     """Append one JSON line: a single ``write`` under an exclusive lock on an ``O_APPEND`` file, then fsync."""
-    path = Path(path)
     data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise RefitLogError(f"{path}: cannot open the refit side log ({err}); set {ENV_PATH} to a writable path "
-                            f"every node sees") from None
+    fd = _open(Path(path), keep=True)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         view = memoryview(data)
@@ -351,6 +348,20 @@ def append_row(path: str | Path, row: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _open(path: Path, keep: bool = False):
+    """The side log opened for appending (created with its folder if missing); closed unless ``keep``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RefitLogError(f"{path}: cannot open the refit side log ({err}); set {ENV_PATH} to a writable path "
+                            f"every node sees") from None
+    if keep:
+        return fd
+    os.close(fd)
+    return None
 
 
 def beside(run_log: str | Path) -> Path:

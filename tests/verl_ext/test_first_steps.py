@@ -221,7 +221,8 @@ def test_side_log_decides_the_refit_at_lr_1e6(tmp_path):
 
 
 @pytest.mark.parametrize("fault,side,reason", [
-    ("stale", {"stale_at": 3}, "stale: the update after step 3 has the checksum of the update after step 2 on ranks 0, 1"),
+    ("stale", {"stale_at": 3}, "stale: the update after step 3 has the checksum of the update after step 2 "
+                               "on ranks 0, 1"),
     ("missing", {"skip": 3}, "no update after step 3 (global_steps=3, the weights step 4's rollout samples from) "
                              "on ranks 0, 1"),
     ("partial", {"partial_at": 2}, f"partial refit: the update after step 2 sends 3 tensors whose names differ "

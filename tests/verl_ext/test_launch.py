@@ -21,8 +21,10 @@ def test_dry_run_prints_command(name, arm, capsys):
     assert "ok  [verl.validate_config]" in out
     # every run records its weight updates for check_first_steps.py (moerl.verl_ext.refit_log)
     assert "ok  [refit.side_log_reaches_workers]" in out
-    assert f"MOERL_REFIT_LOG={launch.REPO}/logs/moerl/" in out and "VERL_USE_EXTERNAL_MODULES=moerl.verl_ext.refit_log" in out
-    assert f"# refit side log: {launch.REPO}/logs/moerl/" in out and ".refit.jsonl (python scripts/check_first_steps" in out
+    assert f"MOERL_REFIT_LOG={launch.REPO}/logs/moerl/" in out
+    assert "VERL_USE_EXTERNAL_MODULES=moerl.verl_ext.refit_log" in out
+    assert f"# refit side log: {launch.REPO}/logs/moerl/" in out
+    assert ".refit.jsonl (python scripts/check_first_steps" in out
 
 
 def _bad(tmp_path, base, verl, moerl=None):
@@ -99,7 +101,8 @@ def test_refit_side_log_is_per_seed_beside_the_runs_log_and_reaches_workers():
     rung = EXP / "04_moonlight_16b_a3b_r3" / "bringup" / "rung1.yaml"
     _, cfg, _, _ = launch.prepare(rung, seed=3)
     env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
-    assert Path(env_vars["MOERL_REFIT_LOG"]) == Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent / "04_rung1_seed3.refit.jsonl"
+    beside_file_log = Path(env_vars["VERL_FILE_LOGGER_PATH"]).parent / "04_rung1_seed3.refit.jsonl"
+    assert Path(env_vars["MOERL_REFIT_LOG"]) == beside_file_log
     assert "moerl.verl_ext.refit_log" in env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")
 
     def rule(**env):

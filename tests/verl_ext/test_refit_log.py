@@ -149,7 +149,8 @@ def test_the_guard_accepts_verl_091_and_refuses_a_changed_signature(tmp_path):
     changed = tmp_path / "vllm_rollout.py"
     text = src.read_text()
     assert "global_steps: int = None,\n" in text
-    changed.write_text(text.replace("global_steps: int = None,\n", "global_steps: int = None,\n        version=0,\n", 1))
+    changed.write_text(text.replace("global_steps: int = None,\n",
+                                    "global_steps: int = None,\n        version=0,\n", 1))
     with pytest.raises(refit_log.RefitLogError) as err:
         refit_log.check_signature(refit_log.signature_from_source(changed), str(changed))
     assert str(changed) in str(err.value) and "\n" not in str(err.value) and "version=0" in str(err.value)

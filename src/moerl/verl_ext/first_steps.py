@@ -428,7 +428,8 @@ def _refit_side_log(log: list[dict], steps: dict[int, dict], undecided_ok: bool,
             if r["names_digest"] != ref["names_digest"]:
                 key = (j, int(r["count"]), int(ref["count"]))
                 partial.setdefault(key, set()).add(rank)
-                diff = [f"-{n}" for n in r.get("names_removed", [])[:3]] + [f"+{n}" for n in r.get("names_added", [])[:3]]
+                diff = ([f"-{n}" for n in r.get("names_removed", [])[:3]]
+                        + [f"+{n}" for n in r.get("names_added", [])[:3]])
                 changed_names.setdefault(key, diff)
             prev = sent.get(j - 1)
             if r["checksum"] is None:

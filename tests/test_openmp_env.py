@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from moerl.tracking import machine_info
-from moerl.trainer.grpo import warn_passive_openmp
+from moerl.trainer.grpo import warn_busy_cores, warn_passive_openmp
 
 
 def test_machine_info_records_the_openmp_settings(monkeypatch):
@@ -25,3 +25,11 @@ def test_passive_wait_on_several_threads_is_warned_about(monkeypatch, caplog, po
     with caplog.at_level(logging.WARNING, logger="moerl.trainer.grpo"):
         warn_passive_openmp(threads)
     assert ("OMP_WAIT_POLICY=PASSIVE" in caplog.text) is warned
+
+
+@pytest.mark.parametrize("threads, load, cores, warned", [
+    (2, 1.0, 2, True), (2, 0.1, 2, False), (1, 3.0, 2, False), (4, 0.2, 16, False), (8, 10.0, 16, True)])
+def test_threads_on_busy_cores_are_warned_about(caplog, threads, load, cores, warned):
+    with caplog.at_level(logging.WARNING, logger="moerl.trainer.grpo"):
+        warn_busy_cores(threads, load=load, cores=cores)
+    assert ("threads will share cores" in caplog.text) is warned

@@ -134,6 +134,7 @@ class GRPOTrainer:
         threads = resolved_threads(cfg)
         torch.set_num_threads(threads)
         warn_passive_openmp(threads)
+        warn_busy_cores(threads)
         torch.manual_seed(cfg.seed)
         base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
         self.base_hash = weights_hash(base)  # what the LoRA trains on, by content (run.json, every checkpoint)
@@ -495,6 +496,21 @@ def warn_passive_openmp(threads: int) -> None:
         log.warning("OMP_WAIT_POLICY=PASSIVE with %d threads: OpenMP threads sleep between ops, which made a "
                     "2-thread step 1.9x slower on a 2-core Xeon; unset it when this run has the cores to itself",
                     threads)
+
+
+def warn_busy_cores(threads: int, load: float | None = None, cores: int | None = None) -> None:
+    """A run on several OpenMP threads that share their cores with other busy work waits at every op for
+    its slowest thread: on this repo's small models such a step runs many times slower than the same
+    step on one thread. Warned at start from the 1-minute load average (``load``, ``cores``: the
+    machine's, unless given)."""
+    if threads <= 1:
+        return
+    load = os.getloadavg()[0] if load is None else load
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if load + threads > cores + 0.5:
+        log.warning("%d threads on %d cores whose 1-minute load is already %.1f: the threads will share cores "
+                    "with other work and every step waits for the slowest; run with threads=1 (or %d) or when "
+                    "the machine is idle", threads, cores, load, max(1, int(cores - load)))
 
 
 def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:

@@ -141,6 +141,7 @@ def test_peft_wrapped_model_replays_and_trains_lora_experts():
     assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
     with torch.no_grad(), routing_session(peft_model, ids.shape, replay=trace) as s2:
         assert torch.equal(peft_model(ids).logits, logits)
+    assert s2.violations == 0 and len(s2.received) == len(layers)  # its own routes replayed, every layer
 
 
 @pytest.mark.parametrize("preset", ["qwen3_moe", "deepseek_v3"])

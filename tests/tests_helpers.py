@@ -18,3 +18,19 @@ def lora_policy(tokenizer, preset: str = "qwen3_moe", **model):
             if "lora_B" in name:
                 p.normal_(std=0.05)
     return policy
+
+
+def verl_adapter_tensors(step: int, lr: float = 1e-6, drop: str | None = None) -> dict:
+    """Two LoRA pairs as verl's export sends them to the rollout, bf16: A from a fixed init, B = step x lr
+    (B starts at 0); ``drop`` leaves one tensor out (a partial refit)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for layer in (0, 1):
+        stem = f"base_model.model.model.layers.{layer}.mlp.experts.down_proj"
+        out[f"{stem}.lora_A.weight"] = (torch.randn(8, 32, generator=g) * 0.02).to(torch.bfloat16)
+        out[f"{stem}.lora_B.weight"] = torch.full((32, 8), step * lr).to(torch.bfloat16)
+    if drop:
+        out.pop(drop)
+    return out

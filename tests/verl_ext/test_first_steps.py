@@ -12,6 +12,7 @@ import pytest
 
 from moerl.analysis.results import VERL_METRIC_MAP
 from moerl.verl_ext import first_steps as fs
+from tests_helpers import verl_adapter_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "results" / "runs" / "00_tiny_moe_cpu"
@@ -162,19 +163,6 @@ def test_refit_is_decided_at_lr_1e4_and_1e5_by_k3_and_at_1e6_only_by_the_version
     assert not stuck.ok and "did not advance from step 1->2" in stuck.detail
 
 
-def _lora(step: int, lr: float) -> dict:
-    """Two LoRA pairs as verl's export sends them, bf16: A from a fixed init, B = step x lr (B starts at 0)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for layer in (0, 1):
-        stem = f"base_model.model.model.layers.{layer}.mlp.experts.down_proj"
-        out[f"{stem}.lora_A.weight"] = (torch.randn(8, 32, generator=g) * 0.02).to(torch.bfloat16)
-        out[f"{stem}.lora_B.weight"] = torch.full((32, 8), step * lr).to(torch.bfloat16)
-    return out
-
-
 LOST = "base_model.model.model.layers.1.mlp.experts.down_proj.lora_B.weight"
 
 
@@ -188,12 +176,12 @@ def _side_log(path: Path, lr: float = 1e-6, stale_at=None, skip=None, partial_at
     for rank in ranks:
         refit_log._first_names.clear()  # each rank is its own process
         base = refit_log.Update(stub, 0, "named_tensors", {"peft_config": {}, "base_sync_done": False})
-        base.see("model.embed_tokens.weight", _lora(0, lr)[LOST])
+        base.see("model.embed_tokens.weight", verl_adapter_tensors(0, lr)[LOST])
         refit_log.append_row(path, {**base.row(), "rank": rank})
         for step in range(6):
             if step == skip:
                 continue
-            tensors = _lora(step - 1 if step == stale_at else step, lr)
+            tensors = verl_adapter_tensors(step - 1 if step == stale_at else step, lr)
             if step == partial_at and rank == 1:
                 tensors.pop(LOST)
             update = refit_log.Update(stub, step, "named_tensors", {"peft_config": {}, "base_sync_done": True})

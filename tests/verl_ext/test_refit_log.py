@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moerl.verl_ext import refit_log
+from tests_helpers import verl_adapter_tensors
 
 
 def verl_adapter_source() -> Path:
@@ -38,19 +39,6 @@ class FakeAdapter:
             self.received.append((name, tensor))
             if self.fail:
                 raise RuntimeError("ipc socket closed")
-
-
-def _adapter_tensors(step: int, lr: float = 1e-6, drop: str | None = None) -> dict[str, torch.Tensor]:
-    """Two LoRA pairs as verl exports them, bf16: A from a fixed init, B = step x lr (B starts at 0)."""
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for layer in (0, 1):
-        stem = f"base_model.model.model.layers.{layer}.mlp.experts.down_proj"
-        out[f"{stem}.lora_A.weight"] = (torch.randn(8, 32, generator=g) * 0.02).to(torch.bfloat16)
-        out[f"{stem}.lora_B.weight"] = torch.full((32, 8), step * lr).to(torch.bfloat16)
-    if drop:
-        out.pop(drop)
-    return out
 
 
 class Counted:
@@ -86,7 +74,7 @@ def test_each_update_is_one_row_and_the_stream_passes_through_once_unchanged(sid
     asyncio.run(adapter.update_weights(base, peft_config={"r": 8}, base_sync_done=False, global_steps=0))
     sent = {}
     for step in (0, 1, 2):
-        sent[step] = Counted(_adapter_tensors(step))
+        sent[step] = Counted(verl_adapter_tensors(step))
         asyncio.run(adapter.update_weights(sent[step], peft_config={"r": 8}, base_sync_done=True, global_steps=step))
     # the upstream call got the very tensors, in order, each produced once, and its keywords untouched
     expected = list(base.tensors.items()) + [kv for s in (0, 1, 2) for kv in sent[s].tensors.items()]
@@ -104,7 +92,7 @@ def test_each_update_is_one_row_and_the_stream_passes_through_once_unchanged(sid
     checks = [r["checksum"] for r in rows[1:]]
     assert len(set(checks)) == 3 and len({r["names_digest"] for r in rows[1:]}) == 1
     # the same tensors give the same checksum, whatever order they come in
-    again = dict(reversed(list(_adapter_tensors(2).items())))
+    again = dict(reversed(list(verl_adapter_tensors(2).items())))
     asyncio.run(adapter.update_weights(iter(again.items()), peft_config={"r": 8}, base_sync_done=True,
                                        global_steps=3))
     assert _rows(side_log)[-1]["checksum"] == checks[-1]
@@ -112,14 +100,14 @@ def test_each_update_is_one_row_and_the_stream_passes_through_once_unchanged(sid
 
 def test_a_changed_name_set_and_a_failed_update_are_recorded(side_log):
     adapter = refit_log.logged_adapter_class(FakeAdapter)()
-    asyncio.run(adapter.update_weights(iter(_adapter_tensors(0).items()), peft_config={}, base_sync_done=True,
+    asyncio.run(adapter.update_weights(iter(verl_adapter_tensors(0).items()), peft_config={}, base_sync_done=True,
                                        global_steps=0))
     lost = "base_model.model.model.layers.1.mlp.experts.down_proj.lora_B.weight"
-    asyncio.run(adapter.update_weights(iter(_adapter_tensors(1, drop=lost).items()), peft_config={},
+    asyncio.run(adapter.update_weights(iter(verl_adapter_tensors(1, drop=lost).items()), peft_config={},
                                        base_sync_done=True, global_steps=1))
     failing = refit_log.logged_adapter_class(FakeAdapter)(fail=True)
     with pytest.raises(RuntimeError, match="ipc socket closed"):
-        asyncio.run(failing.update_weights(iter(_adapter_tensors(2).items()), peft_config={}, base_sync_done=True,
+        asyncio.run(failing.update_weights(iter(verl_adapter_tensors(2).items()), peft_config={}, base_sync_done=True,
                                            global_steps=2))
     rows = _rows(side_log)
     assert rows[1]["names_removed"] == [lost] and rows[1]["names_added"] == [] and rows[1]["count"] == 3
@@ -128,7 +116,7 @@ def test_a_changed_name_set_and_a_failed_update_are_recorded(side_log):
 
 def test_async_streams_stay_async(side_log):
     async def stream():
-        for item in _adapter_tensors(1).items():
+        for item in verl_adapter_tensors(1).items():
             yield item
 
     class AsyncConsumer(FakeAdapter):

@@ -1,0 +1,54 @@
+"""Every command the documentation shows names a file that exists and only options its script defines.
+
+The READMEs, docs/ and results/ show commands a newcomer copies; a renamed script or option turns one
+into an error on first use. This reads them as text (nothing runs): each ``python <script>.py ...``,
+``bash <script>.sh`` and ``./<path>/launch.sh`` must name a file of the repository, and each ``--option``
+of a Python script must appear in that script's source."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("experiments/*/README.md"),
+               *ROOT.glob("results/*.md")])
+PYTHON = r"(?:python3?|\.venv[\w-]*/bin/python|\$PY(?:THON)?)"
+SCRIPT = re.compile(PYTHON + r"\s+((?:scripts|benchmarks|experiments)/[\w/.-]+\.py)([^`\n|]*)")
+SHELL = re.compile(r"(?:bash\s+|\./)((?:scripts|experiments|benchmarks|\.ci)/[\w/.-]+\.(?:sh|sbatch)|\.ci/run)")
+OPTION = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
+
+
+def commands() -> list[tuple[str, str, str, str]]:
+    """(document, kind, path, the rest of the command up to its end or the next one)."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        name = str(doc.relative_to(ROOT))
+        for m in SCRIPT.finditer(text):
+            out.append((name, "script", m.group(1), re.split(r"&&|;|\|", m.group(2))[0]))
+        out += [(name, "shell", m.group(1), "") for m in SHELL.finditer(text)]
+    return out
+
+
+def test_the_documentation_shows_commands():
+    kinds = {kind for _, kind, _, _ in commands()}
+    assert {"script", "shell"} <= kinds and len(commands()) > 50
+
+
+@pytest.mark.parametrize("doc", [str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_documented_command_names_what_exists(doc):
+    wrong = []
+    for name, kind, target, rest in commands():
+        if name != doc:
+            continue
+        path = ROOT / target
+        if not path.exists():
+            wrong.append(f"{target}: no such file")
+            continue
+        if kind == "script":
+            source = path.read_text()
+            wrong += [f"{target} {option}: not an option of the script" for option in OPTION.findall(rest)
+                      if f'"{option}"' not in source and f"'{option}'" not in source]
+    assert not wrong, f"{doc}: " + "; ".join(sorted(set(wrong)))

@@ -88,3 +88,14 @@ def test_results_root_names_every_place_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("MOERL_X", "no/such/runs")
     with pytest.raises(MissingRunError, match=rf"{tmp_path}/no/such/runs does not exist, nor does .*/no/such/runs \(set \$MOERL_X"):
         results_root("MOERL_X")
+
+
+@pytest.mark.parametrize("written", ["baseline+rollout.dtype=nvfp4_experts+trainer.eval_samples=8",
+                                     "baseline+rollout.dtype-nvfp4_experts+trainer.eval_samples-8",
+                                     "baseline+rollout.dtype=nvfp4_experts,trainer.eval_samples=8"])
+def test_a_run_is_found_under_every_spelling_of_its_overrides(written):
+    """A sweep records ``arm+key-value+key-value``; a user types the overrides with '=' (as on run.py's
+    command line, joined by '+' or ','): every spelling names the recorded directory."""
+    from moerl.analysis.results import run_names
+
+    assert "baseline+rollout.dtype-nvfp4_experts+trainer.eval_samples-8" in run_names(written, "07_dose_threshold")

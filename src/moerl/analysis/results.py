@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,8 +167,9 @@ def run_names(arm: str, experiment: str | None = None) -> list[str]:
         legacy = legacy_run_label(name)
         if legacy != name:
             names += [name, legacy]
-        elif "=" in rest and "[" not in rest:
-            names += [name, name.partition("+")[0] + "+" + "+".join(p.replace("=", "-", 1) for p in rest.split(","))]
+        elif "=" in rest and "[" not in rest:  # written with '=', separated by ',' (older) or '+' (as run.py's)
+            names += [name, name.partition("+")[0] + "+" + "+".join(p.replace("=", "-", 1)
+                                                                  for p in re.split(r"[,+]", rest))]
         else:
             names.append(name)
     return names

@@ -5,14 +5,15 @@ a dictionary lookup that returns at once.
 Points: ``step`` (after a step's updates, before its refit and row), ``checkpoint_write`` (a
 checkpoint's files half written), ``prune`` (an old checkpoint half deleted), ``after_checkpoint``
 (a checkpoint just completed), ``final_eval`` (the final evaluation row logged, no summary yet),
-``truncate`` (a resume's metrics.jsonl.bak written, the kept rows not yet).
+``truncate`` (a resume's metrics.jsonl.bak written, the kept rows not yet), ``warm_start_progress`` (a
+warm start's SFT progress just saved).
 """
 from __future__ import annotations
 
 import os
 import signal
 
-POINTS = ("step", "checkpoint_write", "prune", "after_checkpoint", "final_eval", "truncate")
+POINTS = ("step", "checkpoint_write", "prune", "after_checkpoint", "final_eval", "truncate", "warm_start_progress")
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:

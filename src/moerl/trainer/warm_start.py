@@ -77,9 +77,52 @@ def _sft_batch(rows: list[dict], tokenizer, task: str):
     return ids, mask, labels
 
 
+# A long SFT (experiment 06's wide geometries take hours on one thread) saves its progress this often, so a
+# killed session continues where it stopped instead of starting over; how often is not part of the result.
+PROGRESS_EVERY_SECONDS = 600.0
+
+
+def _progress_path(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".progress.pt")
+
+
+def _save_progress(path: Path, key: str, step: int, seconds: float, model, opt, sched, rng: random.Random) -> None:
+    """Everything the next step depends on (weights, AdamW and schedule state, the sampler's and torch's
+    random state), written atomically: a kill mid-write leaves the previous file."""
+    state = {"key": key, "step": step, "seconds": seconds, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _load_progress(path: Path, key: str, steps: int, model, opt, sched, rng: random.Random) -> tuple[int, float]:
+    """(steps done, seconds spent) of a saved SFT of the same key, restored into the given objects; (0, 0.0)
+    when there is none. A file of another key (the config changed) is not used."""
+    if not path.exists():
+        return 0, 0.0
+    state = torch.load(path, weights_only=False)
+    if state.get("key") != key or not 0 < state.get("step", 0) < steps:
+        log.warning("%s: saved SFT progress of another configuration (%s, step %s), not used; training from step 0",
+                    path, state.get("key"), state.get("step"))
+        return 0, 0.0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    rng.setstate(state["rng"])
+    torch.set_rng_state(state["torch_rng"])
+    log.info("warm start: continuing the SFT saved at step %d of %d (%s)", state["step"], steps, path)
+    return state["step"], state["seconds"]
+
+
 def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True) -> dict:
-    """Train from random init and save model + tokenizer + meta.json to ``out_dir`` (atomically)."""
+    """Train from random init and save model + tokenizer + meta.json to ``out_dir`` (atomically). Progress
+    is saved every ``PROGRESS_EVERY_SECONDS`` beside ``out_dir`` and continued after a kill: the result is
+    the same, bit for bit, as an uninterrupted SFT's."""
     from tqdm import tqdm
+
+    from moerl import faults
 
     torch.manual_seed(cfg.data.seed)
     tokenizer = build_tokenizer()
@@ -91,9 +134,11 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=steps,
                                                 pct_start=WARM_START_PCT_START)
     rng = random.Random(cfg.data.seed)
-    start = time.time()
-    bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress)
-    for _ in bar:
+    key, saved = warm_start_key(cfg), _progress_path(out_dir)
+    done, earlier = _load_progress(saved, key, steps, model, opt, sched, rng)
+    start = last_save = time.time()
+    bar = tqdm(range(done, steps), initial=done, total=steps, desc="warm start (SFT)", disable=not progress)
+    for step in bar:
         ids, mask, labels = _sft_batch(rng.sample(train_rows, cfg.warm_start.batch_size), tokenizer, cfg.data.task)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -102,8 +147,12 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step + 1 < steps and time.time() - last_save >= PROGRESS_EVERY_SECONDS:
+            _save_progress(saved, key, step + 1, earlier + time.time() - start, model, opt, sched, rng)
+            last_save = time.time()
+            faults.hit("warm_start_progress")
     model.config.output_router_logits = False
-    seconds = time.time() - start
+    seconds = earlier + time.time() - start
 
     from moerl.rollout.hf import HFEngine  # evaluation by the rollout engine, as in GRPO
 
@@ -121,6 +170,7 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
+    saved.unlink(missing_ok=True)
     log.info("warm start saved to %s: %s", out_dir, accuracy)
     return meta
 

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements.txt)")
 pytest.importorskip("verl.utils.megatron.router_replay_utils", reason="verl is not installed")
 
-from megatron_cpu import megatron_on_cpu  # noqa: E402
+from megatron_harness import megatron_on_cpu  # noqa: E402
 
 
 @pytest.fixture(scope="module")

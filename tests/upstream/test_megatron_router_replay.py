@@ -1,4 +1,4 @@
-"""Router Replay (R3) on megatron-core itself, driven by verl's own code, on CPU.
+"""Router Replay (R3) on megatron-core itself, driven by verl's own code, on the CPU or one GPU.
 
 What runs here is upstream's: verl 0.9.1's ``apply_router_replay_patch`` (its ``RouterReplay`` inside
 megatron-core 0.16.1's ``TopKRouter``), ``align_r3_router_replay_data`` (the placeholder row for the
@@ -9,7 +9,10 @@ allgather dispatcher and full activation recompute - in the order verl's
 ``routed_experts`` (``[T-1, num_hidden_layers, k]``, dense layers left 0) and the routers disagree
 on positions; mapping by position is the bug that broke R3, shown on the same model below. R2
 (RECORD, ``merge_router_topk_indices``, replay by MoE ordinal) runs on the same model.
-Only CUDA-device lookups are redirected to the CPU (tests/upstream/megatron_cpu.py).
+On the CPU (the default, as in CI) only CUDA-device lookups are redirected (tests/upstream/megatron_harness.py);
+with ``MOERL_TEST_DEVICE=cuda`` the model, batches and routes live on the GPU and nothing is redirected
+(scripts/gpu_router_replay.sh). Each test records what it measured (``record_property``): per MoE layer,
+how many replayed rows the router followed and how many its own top-k would have picked anyway.
 """
 from __future__ import annotations
 
@@ -20,21 +23,23 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements.txt)")
 pytest.importorskip("verl.utils.megatron.router_replay_utils", reason="verl is not installed")
 
-from megatron_cpu import (MOE_LAYER_FREQ, NUM_EXPERTS, NUM_LAYERS, TOP_K, VOCAB,  # noqa: E402
-                           build_replay_model, megatron_on_cpu, packed_causal_mask, packed_position_ids)
+from megatron_harness import (MOE_LAYER_FREQ, NUM_EXPERTS, NUM_LAYERS, TOP_K, VOCAB,  # noqa: E402
+                               build_replay_model, megatron_on, packed_causal_mask, packed_position_ids,
+                               requested_device)
 
 MOE_LAYERS = tuple(i for i, moe in enumerate(MOE_LAYER_FREQ) if moe)  # global 0-based layer numbers
+DEVICE = requested_device()  # MOERL_TEST_DEVICE: cpu (default) or cuda
 
 
 @pytest.fixture(scope="module")
 def megatron():
-    with megatron_on_cpu():
+    with megatron_on(DEVICE):
         yield
 
 
 @pytest.fixture
 def replay_model(megatron):
-    model, cfg = build_replay_model()
+    model, cfg = build_replay_model(device=DEVICE)
     yield model, cfg
     from verl.utils.megatron.router_replay_patch import RouterReplay
     RouterReplay.router_instances.clear()
@@ -42,7 +47,8 @@ def replay_model(megatron):
 
 class RouterLog:
     """Forward hooks on every TopKRouter: which experts each call selected (routing_map rows) and the
-    experts its own logits would pick (the native top-k), keyed by the router's global layer index."""
+    experts its own logits would pick (the native top-k), keyed by the router's global layer index; kept
+    on the CPU, where the tests compare them."""
 
     def __init__(self, model):
         from megatron.core.transformer.moe.router import TopKRouter
@@ -55,7 +61,7 @@ class RouterLog:
         with torch.no_grad():
             logits = module.gating(inputs[0]).view(-1, module.config.num_moe_experts)
             native = torch.topk(logits, module.topk, dim=1).indices  # softmax after top-k: rank by logits
-        self.calls.append((module.layer_number - 1, routing_map.detach().clone(), native))
+        self.calls.append((module.layer_number - 1, routing_map.detach().cpu(), native.cpu()))
 
     def close(self):
         for h in self.handles:
@@ -81,12 +87,12 @@ def one_hot(indices: torch.Tensor) -> torch.Tensor:
 
 def micro_batch(lengths, response_lengths, seed):
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    ids = [torch.randint(0, VOCAB, (n,), generator=g).to(DEVICE) for n in lengths]
     input_ids = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
     response_mask = torch.zeros(len(lengths), max(response_lengths), dtype=torch.long)
     for i, r in enumerate(response_lengths):
         response_mask[i, :r] = 1
-    return input_ids, response_mask
+    return input_ids, response_mask.to(DEVICE)
 
 
 def forward_packed(model, input_ids, lengths):
@@ -96,7 +102,7 @@ def forward_packed(model, input_ids, lengths):
 
     packed, _, _ = preprocess_thd_engine(input_ids, pre_process=True)
     assert packed.shape == (1, sum(lengths))  # TP=CP=1: no alignment padding
-    return model(packed, packed_position_ids(lengths), attention_mask=packed_causal_mask(lengths))
+    return model(packed, packed_position_ids(lengths, DEVICE), attention_mask=packed_causal_mask(lengths, DEVICE))
 
 
 def r3_forward_step(model, cfg, input_ids, response_mask, routes, lengths):
@@ -109,7 +115,7 @@ def r3_forward_step(model, cfg, input_ids, response_mask, routes, lengths):
     if RouterReplayHelper.is_replay_backward_action(cfg, 0, model=model):
         set_model_router_replay_action(model, RouterReplayAction.REPLAY_FORWARD)
     assert RouterReplayHelper.is_replay_forward_action(cfg, 0, model=model)
-    routed = torch.nested.as_nested_tensor([torch.from_numpy(r) for r in routes], layout=torch.jagged)
+    routed = torch.nested.as_nested_tensor([torch.from_numpy(r).to(DEVICE) for r in routes], layout=torch.jagged)
     aligned = align_r3_router_replay_data(routed, input_ids)
     replay_mask = build_r3_replay_mask(input_ids, response_mask)
     set_router_replay_data(aligned, None, cfg, 0, replay_mask=replay_mask, model=model)
@@ -132,7 +138,17 @@ def assert_router_followed(selected, native, rows):
     assert torch.equal(selected, one_hot(want))
 
 
-def test_r3_replays_vllm_routes_by_global_layer_with_recompute(replay_model):
+def replay_counts(phase, layer, selected, native, rows) -> dict:
+    """One router call, over the rows that had a route to replay: how many the router followed exactly,
+    and how many its own top-k (the native routing) would have picked anyway."""
+    idx = [i for i, r in enumerate(rows) if r is not None]
+    want = one_hot(torch.stack([torch.as_tensor(rows[i]) for i in idx]))
+    return {"phase": phase, "layer": layer, "replayed_rows": len(idx),
+            "router_followed": int((selected[idx] == want).all(-1).sum()),
+            "native_agreed": int((one_hot(native[idx]) == want).all(-1).sum())}
+
+
+def test_r3_replays_vllm_routes_by_global_layer_with_recompute(replay_model, record_property):
     """Two micro-batches forward, then both backwards (FIFO): every MoE router of the dense-first model
     picks vLLM's experts for its own global layer in the forward and again in the recompute, native
     top-k on each sample's last row, and the router still gets gradients."""
@@ -154,6 +170,13 @@ def test_r3_replays_vllm_routes_by_global_layer_with_recompute(replay_model):
         out.float().pow(2).mean().backward()
     recompute_calls = log.calls
     log.close()
+
+    counts = []  # recorded before any assertion: a failing GPU run still reports what it saw
+    for phase, calls in (("forward", forward_calls), ("recompute", recompute_calls)):
+        for call, (layer, selected, native) in enumerate(calls):
+            mb = call // len(MOE_LAYERS)  # backward runs in micro-batch order
+            counts.append(replay_counts(phase, layer, selected, native, expected_rows(routes_per_mb[mb], layer)))
+    record_property("r3_replay_counts", counts)
 
     assert [c[0] for c in forward_calls] == list(MOE_LAYERS) * 2
     assert [c[0] for c in recompute_calls] == list(MOE_LAYERS)[::-1] * 2  # full recompute re-ran every router
@@ -184,7 +207,7 @@ def test_routes_mapped_by_position_give_each_router_another_layers_routes(replay
     input_ids, _ = micro_batch(lengths, resp, 1)
     routes = vllm_routes(lengths, 1)
     full = [np.concatenate([r, r[-1:]]) for r in routes]  # replay every row here, the last one included
-    routed = torch.nested.as_nested_tensor([torch.from_numpy(r) for r in full], layout=torch.jagged)
+    routed = torch.nested.as_nested_tensor([torch.from_numpy(r).to(DEVICE) for r in full], layout=torch.jagged)
     aligned = align_r3_router_replay_data(routed, input_ids)
     packed_routes = preprocess_thd_engine(aligned, pre_process=True)[0][0]  # [tokens, L, k]
     assert len(RouterReplay.router_instances) == len(MOE_LAYERS)
@@ -237,7 +260,7 @@ def test_moerl_trace_matches_the_routers_megatron_replays(replay_model):
             start += n
 
 
-def test_r2_records_then_replays_by_moe_ordinal_after_the_weights_move(replay_model):
+def test_r2_records_then_replays_by_moe_ordinal_after_the_weights_move(replay_model, record_property):
     """R2 on the same dense-first model: RECORD in the old-logprob pass, verl's
     ``merge_router_topk_indices`` gathers ``[tokens, n_moe_layers, k]`` (MoE layers only), the router
     weights then change (an optimizer step), and REPLAY_FORWARD with that record still picks the
@@ -257,7 +280,7 @@ def test_r2_records_then_replays_by_moe_ordinal_after_the_weights_move(replay_mo
     records: list = []
     merge_router_topk_indices(None, input_ids, records, cfg, 0, model=model)
     recorded = records[0]  # jagged [sample][tokens, n_moe_layers, k]
-    flat = torch.cat(list(recorded.unbind()))
+    flat = torch.cat(list(recorded.unbind())).cpu()
     assert flat.shape == (sum(lengths), len(MOE_LAYERS), TOP_K)
     for j, layer in enumerate(MOE_LAYERS):
         assert torch.equal(one_hot(flat[:, j]), recorded_maps[layer])  # the record is what each router did
@@ -272,6 +295,8 @@ def test_r2_records_then_replays_by_moe_ordinal_after_the_weights_move(replay_mo
     with torch.no_grad():
         forward_packed(model, input_ids, lengths)
     log.close()
+    record_property("r2_replay_counts", [replay_counts("replay", layer, selected, native, list(flat[:, j]))
+                                         for j, (layer, selected, native) in enumerate(log.calls)])
     moved = 0
     for j, (layer, selected, native) in enumerate(log.calls):
         assert layer == MOE_LAYERS[j] and torch.equal(selected, recorded_maps[layer])

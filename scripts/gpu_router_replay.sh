@@ -3,6 +3,7 @@
 # test_megatron_router_replay.py) on one CUDA device, reported as OUT_DIR/router_replay.{json,png,log}.
 #   MOERL_TEST_DEVICE=cuda bash scripts/gpu_router_replay.sh OUT_DIR     (on the GPU machine: OUT_DIR="$OUT")
 #   MOERL_TEST_DEVICE=cpu  bash scripts/gpu_router_replay.sh OUT_DIR     (the same steps on the CPU)
+# OUT_DIR: new or empty (a report there is never overwritten).
 # First, where a registry is reachable: bash scripts/fetch_gpu_wheels.sh (fills .gpu_wheels/, carried).
 # Steps: verify .gpu_wheels against its SHA256SUMS; install them offline (pip --no-index --no-deps) into
 # a --target folder put first on PYTHONPATH, over the machine's Python (its CUDA torch, matplotlib; a
@@ -11,14 +12,15 @@
 #   cuda: $PYTHON (default python3, the machine's) does everything.
 #   cpu:  $MOERL_MCORE_VENV (default .venv-mcore, scripts/setup_upstream_mcore_venv.sh) runs the tests,
 #         $MOERL_PLOT_PYTHON (default .venv/bin/python, which has matplotlib) draws.
-# The whole script stops after $MOERL_GPU_CHECK_LIMIT_S seconds (default 480); the JSON written so far
-# (rewritten after each test) and the log remain.
+# The whole script stops after $MOERL_GPU_CHECK_LIMIT_S seconds (default 300; the CPU rehearsal takes
+# about 40 s here); the JSON written so far (rewritten after each test) and the log remain.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:?usage: MOERL_TEST_DEVICE=cuda|cpu bash scripts/gpu_router_replay.sh OUT_DIR}")
+self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$self")/.."
 if [ -z "${MOERL_GPU_CHECK_GUARDED:-}" ]; then
-  MOERL_GPU_CHECK_GUARDED=1 exec timeout -k 10 "${MOERL_GPU_CHECK_LIMIT_S:-480}" bash "$0" "$@"
+  MOERL_GPU_CHECK_GUARDED=1 exec timeout -k 10 "${MOERL_GPU_CHECK_LIMIT_S:-300}" bash "$self" "$out"
 fi
-out=${1:?usage: MOERL_TEST_DEVICE=cuda|cpu bash scripts/gpu_router_replay.sh OUT_DIR}
 device=${MOERL_TEST_DEVICE:-cuda}
 wheels=${MOERL_GPU_WHEELS:-.gpu_wheels}
 case "$device" in

@@ -51,7 +51,7 @@ set -o pipefail
 {
   echo "[gpu-router-replay] $(date -u +%FT%TZ) device=$device python=$PY"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
-  export PYTHONPATH=$site:$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  export PYTHONPATH=$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
   export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   rc=0
   "$PY" scripts/gpu_router_replay.py run --device "$device" --out "$out" || rc=$?

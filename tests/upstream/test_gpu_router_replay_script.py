@@ -1,11 +1,13 @@
 """The prepared GPU check (scripts/gpu_router_replay.sh) where it can run without a GPU.
 
+All in the cluster-pin venv only (Python 3.12, megatron-core 0.19.2, the versions the GPU machine gets; run
+by ``scripts/test_upstream.sh mcore``, not in CI, where a fresh interpreter importing megatron-core and verl
+would add ~25 s):
 - verl's replay modules import without Ray (tests/upstream/verl_without_ray.py), as they must on the GPU
-  machine, which cannot carry Ray's wheel: wherever verl is installed (the main venv too, so in CI).
-- The script itself, in the cluster-pin venv only (Python 3.12, megatron-core 0.19.2; run by
-  ``scripts/test_upstream.sh mcore``, not in CI): a CUDA request where torch sees none is refused in one line
-  before anything is written; ``MOERL_TEST_DEVICE=cpu`` runs the same steps as on the GPU - the carried
-  wheels verified and installed offline, the replay tests, the JSON and the PNG.
+  machine, which cannot carry Ray's wheel;
+- a CUDA request where torch sees none is refused in one line before anything is written;
+- ``MOERL_TEST_DEVICE=cpu`` runs the same steps as on the GPU: the carried wheels verified and installed
+  offline, the replay tests, the JSON and the PNG.
 """
 from __future__ import annotations
 
@@ -30,8 +32,12 @@ def _torch_sees_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("verl") is None or importlib.util.find_spec("megatron") is None,
-                    reason="verl and megatron-core are not installed")
+cluster_pins = pytest.mark.skipif(
+    sys.version_info[:2] != (3, 12) or importlib.util.find_spec("megatron") is None,
+    reason="the cluster-pin venv only (Python 3.12 with megatron-core; scripts/test_upstream.sh mcore)")
+
+
+@cluster_pins
 def test_verls_replay_modules_import_without_ray():
     code = f"""
 import sys
@@ -51,11 +57,6 @@ except ImportError as err:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: import 'ray' refused" in done.stdout
-
-
-cluster_pins = pytest.mark.skipif(
-    sys.version_info[:2] != (3, 12) or importlib.util.find_spec("megatron") is None,
-    reason="the cluster-pin venv only (Python 3.12 with megatron-core; scripts/test_upstream.sh mcore)")
 
 
 def _run(out: Path, device: str) -> subprocess.CompletedProcess:

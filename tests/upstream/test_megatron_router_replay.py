@@ -61,7 +61,7 @@ class RouterLog:
         with torch.no_grad():
             logits = module.gating(inputs[0]).view(-1, module.config.num_moe_experts)
             native = torch.topk(logits, module.topk, dim=1).indices  # softmax after top-k: rank by logits
-        self.calls.append((module.layer_number - 1, routing_map.detach().cpu(), native.cpu()))
+        self.calls.append((module.layer_number - 1, routing_map.detach().to("cpu", copy=True), native.cpu()))
 
     def close(self):
         for h in self.handles:

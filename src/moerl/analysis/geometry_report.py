@@ -40,12 +40,13 @@ LABELS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "moonlight_16b_a3b": "Moonlight-16B-
           "kimi_k2": "Kimi-K2"}
 
 
-def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
+def load_points(root: str | Path = "results/geometry", pattern: str = "*.json") -> pd.DataFrame:
     """One row per (point, rollout dtype) with its factors and statistics; FileNotFoundError naming
-    the directory when it holds no point JSON (an empty table would only fail later, by column)."""
-    paths = sorted(Path(root).glob("*.json"))
+    the directory when it holds no point JSON (an empty table would only fail later, by column).
+    ``device`` is the GPU's name for points measured on one (scripts/gpu_width_geometry.py), else "CPU"."""
+    paths = sorted(Path(root).glob(pattern))
     if not paths:
-        raise FileNotFoundError(f"no geometry points (*.json) under {Path(root).resolve()} "
+        raise FileNotFoundError(f"no geometry points ({pattern}) under {Path(root).resolve()} "
                                 "(scripts/measure_geometry.py writes them)")
     rows = []
     for path in paths:
@@ -55,7 +56,8 @@ def load_points(root: str | Path = "results/geometry") -> pd.DataFrame:
             rows.append({
                 "point": s["name"], "ladders": tuple(s["ladders"]), "state": s["state"], "rollout": dtype,
                 "seed": s["seed"], "family": m["preset"], "L": len(r["moe_layers"]), "E": r["num_experts"],
-                "k": r["top_k"], "H": m["hidden_size"], "share": r["all/share"], "share_lo": r["all/share_lo"],
+                "k": r["top_k"], "H": m["hidden_size"], "F": m["moe_intermediate_size"],
+                "device": rec.get("device", {}).get("name", "CPU"), "share": r["all/share"], "share_lo": r["all/share_lo"],
                 "share_hi": r["all/share_hi"], "independence": r["all/independence"],
                 "independence_lo": r["all/independence_lo"], "independence_hi": r["all/independence_hi"],
                 "p_mean": r["all/p_mean"], "p_lo": r["all/p_mean_lo"], "p_hi": r["all/p_mean_hi"],
@@ -501,5 +503,63 @@ def figure_flip_along_stack(df: pd.DataFrame):
                  f"MoE layers x routed experts, top-k at hidden {'/'.join(str(h) for h in sorted(set(rows.H)))}; "
                  f"{_rollouts(rows)} vs fp32 trainer; {_measurement(rows)}\n"
                  "each line one point's per-layer estimates, no error bars", fontsize=9.5)
+    fig.tight_layout()
+    return fig
+
+
+def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
+    """The share of tokens with >= 1 re-routed MoE layer against hidden width, Qwen3-30B-A3B routing
+    (48 MoE layers x 128 experts, top-8), bf16 rollout vs fp32 trainer: the CPU's points (emulated bf16
+    kernels, hidden 64-256) beside the GPU's (the GPU's own bf16 kernels, scripts/gpu_width_geometry.py).
+    ``gpu`` may be empty (nothing measured yet); ``note`` is added to the title (a smoke run says so)."""
+    import matplotlib.ticker
+    import matplotlib.pyplot as plt
+
+    def width_ffn(rows: pd.DataFrame) -> str:
+        pairs = sorted({(int(h), int(f)) for h, f in zip(rows.H, rows.F)})
+        if all(f == h // 2 for h, f in pairs):
+            return "expert FFN H/2"
+        return "expert FFN " + ", ".join(f"{f} at {h}" for h, f in pairs)
+
+    gpu = gpu[gpu.rollout == "bf16"].sort_values("H") if not gpu.empty else gpu
+    gpu_names = sorted(set(gpu.device)) if not gpu.empty else []
+    series = []
+    trained_cpu, random_cpu = sft_width(cpu), ladder(cpu, "width")
+    if not random_cpu.empty:
+        series.append((random_cpu, f"CPU, random init, emulated bf16 ({width_ffn(random_cpu)})", "o", "0.55", "none"))
+    if not trained_cpu.empty:
+        series.append((trained_cpu, f"CPU, trained routers (400-step SFT), emulated bf16 ({width_ffn(trained_cpu)})",
+                       "D", "C5", "C5"))
+    steps = gpu.policy.apply(lambda p: p.get("warm_start", {}).get("steps")) if not gpu.empty else None
+    for (device, sft_steps), rows in (gpu.groupby([gpu.device, steps]) if not gpu.empty else []):
+        series.append((rows, f"{device}: trained routers ({sft_steps}-step SFT), its own bf16 kernels "
+                             f"({width_ffn(rows)})", "s", "C3", "C3"))
+    fig, ax = plt.subplots(figsize=(9, 6.2))
+    widths = set()
+    for rows, label, marker, color, face in series:
+        rows = rows.sort_values("H")
+        widths |= set(int(h) for h in rows.H)
+        ax.errorbar(rows.H, rows.share, yerr=[rows.share - rows.share_lo, rows.share_hi - rows.share], fmt=marker + "-",
+                    color=color, mfc=face, ms=6, lw=1, capsize=3, label=label)
+        if color == "C3":
+            for _, r in rows.iterrows():
+                ax.annotate(f"{100 * r.share:.1f} %", (r.H, r.share), fontsize=8, color=color, xytext=(5, 6),
+                            textcoords="offset points")
+    ax.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, hidden 2048, real model)")
+    ax.set_xscale("log", base=2)
+    ticks = sorted(widths | {2048})
+    ax.set_xticks(ticks)
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlim(min(ticks) / 1.3, max(ticks) * 1.3)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("hidden size H (heads H/32 of 32)")
+    ax.set_ylabel("share of tokens with >= 1 re-routed MoE layer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+    where = "points measured on " + ", ".join(gpu_names) if gpu_names else "no GPU point measured yet"
+    ax.set_title("Re-routed share vs hidden width: bf16 rollout vs fp32 trainer, Qwen3-30B-A3B routing "
+                 f"(48 MoE x 128 experts, top-8)\n{where}{note}; error bars: 95 % bootstrap over sequences",
+                 fontsize=9.5)
     fig.tight_layout()
     return fig

@@ -76,16 +76,20 @@ def bootstrap_shares(tokens: np.ndarray, any_layer: np.ndarray, per_layer: np.nd
 @torch.no_grad()
 def trainer_passes(policy: nn.Module, batch, temperature: float):
     """The fp32 trainer's logprobs routing natively (with the experts it chose) and replaying the
-    rollout's experts (R3), with the seconds each pass took."""
+    rollout's experts (R3), with the seconds each pass took. The passes run on the device of the policy's
+    weights; the logprobs and the trace come back on the CPU, where ``batch`` is."""
     policy.eval()
+    batch = batch.to(next(policy.parameters()).device)
     start = time.perf_counter()
     with trainer_routing(policy, batch) as session:
         native_logp, _ = forward_logprobs(policy, batch, temperature)
+    native_logp = native_logp.cpu()  # (on a GPU this waits for the pass: the seconds are its own)
     native = session_trace(session, batch)
     native_seconds = time.perf_counter() - start
     start = time.perf_counter()
     with trainer_routing(policy, batch, replay=batch.routing) as session:
         replayed_logp, _ = forward_logprobs(policy, batch, temperature)
+    replayed_logp = replayed_logp.cpu()
     violations = session.violations
     return dict(native_logp=native_logp, native=native, replayed_logp=replayed_logp, violations=violations,
                 native_seconds=native_seconds, replay_seconds=time.perf_counter() - start)
@@ -96,6 +100,8 @@ def measure(policy: nn.Module, tokenizer, cfg: ExperimentConfig, rows: list[dict
     """One point's statistics for a rollout engine of ``dtype`` against the fp32 ``policy``.
 
     ``rows``: the prompts (``question``/``answer``); each is sampled ``cfg.rollout.group_size`` times.
+    Engine and trainer run on the device of ``policy``'s weights (on a GPU with ``rollout.kernels=native``
+    the rollout's bf16 products are the GPU's own kernels); the statistics are computed on the CPU.
     Returns a flat JSON-able dict; ``p_layer`` maps global MoE layer number -> flip probability."""
     rollout_cfg = dataclasses.replace(cfg.rollout, dtype=dtype, capture_routing=True)
     start = time.perf_counter()

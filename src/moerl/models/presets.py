@@ -6,6 +6,8 @@ are the ones a full-size model has.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, PretrainedConfig,
                           Qwen3MoeConfig)
@@ -78,11 +80,16 @@ def check_overrides(cfg: ModelConfig, tokenizer) -> None:
             from None
 
 
-def build_model(cfg: ModelConfig, tokenizer, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised fp32 causal LM for ``cfg`` (deterministic in ``seed``)."""
+def build_model(cfg: ModelConfig, tokenizer, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A randomly initialised fp32 causal LM for ``cfg`` (deterministic in ``seed`` on one device).
+
+    ``device``: where the weights are created and initialised. A GPU initialises a model of billions of
+    parameters in milliseconds where a CPU thread takes tens of seconds; its random stream is the GPU's,
+    so the initial weights differ from the CPU's for the same seed."""
     hf_cfg = build_hf_config(cfg, len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
                              tokenizer.eos_token_id, max_positions(cfg))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_cfg, experts_implementation=implementation(cfg.experts_implementation),
-                                             attn_implementation="sdpa")
+    with nullcontext() if torch.device(device).type == "cpu" else torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            hf_cfg, experts_implementation=implementation(cfg.experts_implementation), attn_implementation="sdpa")
     return model.float()

@@ -68,3 +68,20 @@ class RolloutBatch:
             texts=pick(self.texts) if self.texts else [],
             answers=pick(self.answers) if self.answers else [],
         )
+
+    def to(self, device) -> "RolloutBatch":
+        """The batch with its tensors (and routing trace) on ``device``; itself when they are already there
+        (a trainer on a GPU reads what the engine returned on the CPU)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            response_mask=self.response_mask.to(device),
+            rollout_logprobs=self.rollout_logprobs.to(device),
+            group=self.group.to(device),
+            routing=None if self.routing is None else self.routing.to(device),
+            rewards=None if self.rewards is None else self.rewards.to(device),
+        )

@@ -73,6 +73,9 @@ def unsupported(model: nn.Module, dtype: torch.dtype, kernels: str) -> str | Non
     from peft.tuners.lora.layer import Linear as LoraLinear, ParamWrapper
 
     base = _base(model)
+    device = next(base.parameters()).device
+    if device.type != "cpu":
+        return f"device {device} (the loop is written for the CPU lab; a GPU runs generate)"
     if getattr(base.config, "model_type", None) != "qwen3_moe":
         return f"model type {base.config.model_type!r} (the loop covers qwen3_moe)"
     if dtype in LOW_PRECISION and kernels != "emulated":

@@ -41,10 +41,15 @@ def torch_threads(threads: int | None):
 
 
 class HFEngine:
+    """The engine runs on the device its policy's weights are on; what ``generate`` returns is on the CPU
+    (the RolloutBatch contract). On a GPU with ``rollout.kernels=native`` its bf16 products are the GPU's own
+    kernels (cuBLAS, FlashAttention, the grouped-GEMM experts)."""
+
     def __init__(self, policy: nn.Module, tokenizer, cfg: RolloutConfig, task: str = "arith"):
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         self.dtype = compute_dtype(cfg.dtype)
         self.model = copy.deepcopy(policy).to(self.dtype).eval()
+        self.device = next(self.model.parameters()).device
         for p in self.model.parameters():
             p.requires_grad_(False)
         # fp8 / int8 / nvfp4 / int4: base weights rounded through the format, computed in bf16 (W*A16).
@@ -114,6 +119,7 @@ class HFEngine:
         prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
         n, t0 = prompt_ids.shape
+        ids_in, mask_in = prompt_ids.to(self.device), prompt_mask.to(self.device)
         if seed is not None:
             torch.manual_seed(seed)
         sampling = dict(do_sample=False) if greedy else dict(
@@ -121,14 +127,15 @@ class HFEngine:
         capture = record_generation(self.model, n) if cfg.capture_routing else nullcontext()
         with capture as recorder, torch_threads(cfg.threads):
             if self.decode_loop:
-                seqs, step_logits = self._decode_loop(prompt_ids, prompt_mask, greedy, recorder)
+                seqs, step_logits = self._decode_loop(ids_in, mask_in, greedy, recorder)
             else:
                 with self.kernels, expert_lora_materialised(self.model):
                     out = self.model.generate(
-                        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                        input_ids=ids_in, attention_mask=mask_in, max_new_tokens=cfg.max_new_tokens,
                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
                         return_dict_in_generate=True, **sampling)
                 seqs, step_logits = out.sequences, torch.stack(out.logits, dim=1)
+        seqs, step_logits = seqs.cpu(), step_logits.cpu()
         total = seqs.shape[1]
         new = seqs[:, t0:]
         # Response runs up to and including the first EOS; generate pads finished rows afterwards.

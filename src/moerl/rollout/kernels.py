@@ -69,7 +69,7 @@ def emulated_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if is_causal:
         length_q, length_k = q.shape[-2], k.shape[-2]
-        keep = torch.ones(length_q, length_k, dtype=torch.bool).tril()
+        keep = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

@@ -60,7 +60,7 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _sft_batch(rows: list[dict], tokenizer, task: str):
+def sft_batch(rows: list[dict], tokenizer, task: str):
     prompts = [BOS + render_prompt(task, r["question"]) for r in rows]
     targets = [render_target(r["answer"], r.get("target")) + EOS for r in rows]
     p_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -116,51 +116,80 @@ def _load_progress(path: Path, key: str, steps: int, model, opt, sched, rng: ran
     return state["step"], state["seconds"]
 
 
-def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True) -> dict:
-    """Train from random init and save model + tokenizer + meta.json to ``out_dir`` (atomically). Progress
-    is saved every ``PROGRESS_EVERY_SECONDS`` beside ``out_dir`` and continued after a kill: the result is
-    the same, bit for bit, as an uninterrupted SFT's."""
+def sft_step(model, opt, sched, ids, mask, labels) -> torch.Tensor:
+    """One supervised step (loss on the answer tokens, gradient clipped to norm 1); returns the loss."""
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
+def sft_optimizer(model, cfg: ExperimentConfig):
+    """The warm start's AdamW and its one-cycle schedule over ``cfg.warm_start.steps``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=cfg.warm_start.steps,
+                                                pct_start=WARM_START_PCT_START)
+    return opt, sched
+
+
+def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: str | torch.device = "cpu",
+                          progress_file: Path | None = None):
+    """(trained fp32 model, tokenizer, meta): the warm start's SFT from random init and its evaluation by the
+    rollout engine, on ``device``, nothing written but ``progress_file``. With it, progress is saved there every
+    ``PROGRESS_EVERY_SECONDS`` and a saved SFT of the same key is continued (``train_warm_start``, which saves
+    the result to the cache); a caller on a borrowed GPU passes none and keeps the model in memory."""
     from tqdm import tqdm
 
     from moerl import faults
 
+    device = torch.device(device)
     torch.manual_seed(cfg.data.seed)
     tokenizer = build_tokenizer()
     train_rows, test_rows = load_splits(cfg.data)
-    model = build_model(cfg.model, tokenizer, seed=cfg.data.seed)
+    model = build_model(cfg.model, tokenizer, seed=cfg.data.seed, device=device)
     model.config.output_router_logits = True  # adds the load-balancing aux loss during SFT
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, weight_decay=0.0)
+    opt, sched = sft_optimizer(model, cfg)
     steps = cfg.warm_start.steps
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=steps,
-                                                pct_start=WARM_START_PCT_START)
     rng = random.Random(cfg.data.seed)
-    key, saved = warm_start_key(cfg), _progress_path(out_dir)
-    done, earlier = _load_progress(saved, key, steps, model, opt, sched, rng)
+    key = warm_start_key(cfg)
+    done, earlier = (0, 0.0) if progress_file is None else _load_progress(progress_file, key, steps, model, opt,
+                                                                         sched, rng)
     start = last_save = time.time()
     bar = tqdm(range(done, steps), initial=done, total=steps, desc="warm start (SFT)", disable=not progress)
     for step in bar:
-        ids, mask, labels = _sft_batch(rng.sample(train_rows, cfg.warm_start.batch_size), tokenizer, cfg.data.task)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        batch = sft_batch(rng.sample(train_rows, cfg.warm_start.batch_size), tokenizer, cfg.data.task)
+        loss = sft_step(model, opt, sched, *(t.to(device) for t in batch))
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step + 1 < steps and time.time() - last_save >= PROGRESS_EVERY_SECONDS:
-            _save_progress(saved, key, step + 1, earlier + time.time() - start, model, opt, sched, rng)
+        if progress_file is not None and step + 1 < steps and time.time() - last_save >= PROGRESS_EVERY_SECONDS:
+            _save_progress(progress_file, key, step + 1, earlier + time.time() - start, model, opt, sched, rng)
             last_save = time.time()
             faults.hit("warm_start_progress")
     model.config.output_router_logits = False
     seconds = earlier + time.time() - start
+    del opt, sched  # the optimiser state (twice the weights) is not needed to evaluate
+    model.zero_grad(set_to_none=True)
 
     from moerl.rollout.hf import HFEngine  # evaluation by the rollout engine, as in GRPO
 
     accuracy = evaluate_policy(HFEngine(model, tokenizer, cfg.rollout, cfg.data.task), test_rows, seed=cfg.data.seed)
-    meta = {"key": warm_start_key(cfg), "train_seconds": round(seconds, 1), "steps": steps,
+    meta = {"key": key, "train_seconds": round(seconds, 1), "steps": steps,
             "test_accuracy": accuracy, "rollout_dtype": cfg.rollout.dtype,
             "command": "python scripts/warm_start.py <experiment config>",
             "config": {"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": to_dict(cfg.warm_start)}}
+    if device.type != "cpu":
+        meta["device"] = str(device)
+    return model, tokenizer, meta
+
+
+def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True) -> dict:
+    """Train from random init and save model + tokenizer + meta.json to ``out_dir`` (atomically). Progress
+    is saved every ``PROGRESS_EVERY_SECONDS`` beside ``out_dir`` and continued after a kill: the result is
+    the same, bit for bit, as an uninterrupted SFT's."""
+    saved = _progress_path(out_dir)
+    model, tokenizer, meta = supervised_warm_start(cfg, progress=progress, progress_file=saved)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -171,7 +200,7 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
     saved.unlink(missing_ok=True)
-    log.info("warm start saved to %s: %s", out_dir, accuracy)
+    log.info("warm start saved to %s: %s", out_dir, meta["test_accuracy"])
     return meta
 
 

@@ -1,0 +1,137 @@
+"""scripts/gpu_width_geometry.py on the CPU: every part a GPU run uses except the GPU itself (CI has none)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_width_geometry as gw  # noqa: E402
+import measure_geometry  # noqa: E402
+
+CPU_POINTS = ROOT / "tests" / "fixtures" / "geometry_cpu"  # copies of five CPU ladder points
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_width")
+    assert gw.main(["--device", "cpu", "--smoke", "--out", str(out), "--cpu-points", str(CPU_POINTS)]) == 0
+    return out
+
+
+def test_smoke_builds_warm_starts_measures_and_draws(smoke_run):
+    from moerl.analysis.geometry_report import load_points
+
+    names = sorted(p.name for p in smoke_run.iterdir())
+    assert names == ["gpu_smoke_warm3_h32_f16.json", "gpu_smoke_warm3_h64_f16.json", gw.FIGURE, gw.RUN_RECORD]
+    rec = json.loads((smoke_run / "gpu_smoke_warm3_h64_f16.json").read_text())
+    r = rec["results"]["bf16"]
+    assert r["kernels"] == "native" and r["prompts"] == 2 and r["group_size"] == 2
+    assert 0 <= r["all/share_lo"] <= r["all/share"] <= r["all/share_hi"] <= 1
+    assert set(r["p_layer"]) == {"0", "1"} and "r3/k3" in r and "all/independence" in r
+    assert rec["policy"]["warm_start"]["steps"] == 3 and rec["spec"]["warm_start"] == {"steps": 3, "batch_size": 4}
+    assert rec["device"]["name"] == "CPU" and rec["device"]["torch"] == torch.__version__
+    assert rec["parameters"] > 0 and rec["adamw_bytes_estimate"] == 16 * rec["parameters"]
+    assert rec["seconds_total"] >= rec["seconds_policy"] > 0
+    assert rec["spec_hash"] == measure_geometry.spec_hash(rec["spec"])
+    run = json.loads((smoke_run / gw.RUN_RECORD).read_text())
+    assert run["calibration"]["chosen"] == run["sft_steps"] == 3 and run["calibration"]["seconds_per_sft_step_at_widest"] > 0
+    assert [p["name"] for p in run["points"]] == ["gpu_smoke_warm3_h64_f16", "gpu_smoke_warm3_h32_f16"]
+    assert run["skipped"] == []
+    df = load_points(smoke_run, pattern="gpu_*.json")  # the analysis reads GPU points as it reads the CPU's
+    assert sorted(df.H) == [32, 64] and set(df.F) == {16} and set(df.device) == {"CPU"}
+    assert (smoke_run / gw.FIGURE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figure_names_the_gpu_and_puts_both_devices_on_one_axis(smoke_run, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from moerl.analysis.geometry_report import figure_gpu_width, load_points
+
+    for path in smoke_run.glob("gpu_*.json"):
+        rec = json.loads(path.read_text())
+        rec["device"]["name"] = "NVIDIA H100 80GB HBM3"
+        (tmp_path / path.name).write_text(json.dumps(rec))
+    fig = figure_gpu_width(load_points(CPU_POINTS), load_points(tmp_path, pattern="gpu_*.json"))
+    ax = fig.axes[0]
+    assert "NVIDIA H100 80GB HBM3" in ax.get_title()
+    labels = ax.get_legend_handles_labels()[1]
+    gpu_label = next(label for label in labels if label.startswith("NVIDIA H100"))
+    assert "3-step SFT" in gpu_label and "expert FFN 16 at 32, 16 at 64" in gpu_label
+    assert any(label.startswith("CPU, trained routers") for label in labels)
+    xs = {float(x) for line in ax.get_lines() for x in line.get_xdata()}
+    assert {32.0, 64.0, 128.0, 256.0} <= xs  # GPU smoke widths and the CPU ladder's
+
+
+def test_figure_only_redraws_from_recorded_points(smoke_run, tmp_path):
+    for path in smoke_run.glob("gpu_*.json"):
+        shutil.copy(path, tmp_path)
+    assert gw.main(["--figure-only", "--out", str(tmp_path), "--cpu-points", str(CPU_POINTS)]) == 0
+    assert (tmp_path / gw.FIGURE).exists()
+    with pytest.raises(SystemExit, match="no point JSONs"):
+        gw.main(["--figure-only", "--out", str(tmp_path / "empty")])
+
+
+def test_cuda_asked_for_and_absent_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as err:
+        gw.main(["--out", str(out)])
+    message = str(err.value)
+    assert "--device cuda asked for" in message and "no CUDA device" in message and "\n" not in message
+    assert not out.exists()
+
+
+def test_the_full_ladder_is_refused_on_a_cpu(tmp_path):
+    with pytest.raises(SystemExit, match="GPU work; on a CPU pass --smoke"):
+        gw.main(["--device", "cpu", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_budget_spent_skips_every_point_and_says_why(tmp_path):
+    assert gw.main(["--device", "cpu", "--smoke", "--budget-s", "0", "--out", str(tmp_path),
+                    "--cpu-points", str(CPU_POINTS)]) == 0
+    run = json.loads((tmp_path / gw.RUN_RECORD).read_text())
+    assert run["points"] == [] and len(run["skipped"]) == 2
+    assert all(s["reason"].startswith("time: needs ~") for s in run["skipped"])
+    assert not list(tmp_path.glob("gpu_*.json")) and (tmp_path / gw.FIGURE).exists()
+
+
+def test_sft_steps_fit_the_budget():
+    assert gw.choose_sft_steps(0.05, 4, 480) == 400
+    # 0.3 s a step: 4 x (400 x 0.3 x 1.15 + 30) = 672 s and 300 steps 534 s exceed 450; 200 steps take 396
+    assert gw.choose_sft_steps(0.3, 4, 450) == 200
+    assert gw.choose_sft_steps(5.0, 4, 450) == 100  # nothing fits: the fewest, and the guard skips points
+
+
+def test_skip_reasons():
+    assert gw.skip_reason(10e9, 80e9, 100, 200) is None
+    assert gw.skip_reason(60e9, 80e9, 100, 200).startswith("memory: AdamW state 60.0 GB > 70% of 80.0 GB")
+    assert gw.skip_reason(10e9, 80e9, 300, 200) == "time: needs ~300 s, 200 s left"
+    assert gw.skip_reason(10e9, 80e9, None, -5) is None  # no estimate (a fixed step count): the first point runs
+
+
+def test_geometry_and_memory_of_the_ladder(tokenizer):
+    # the 256 point at cap 128 is the CPU width ladder's own geometry (measure_geometry.qwen3)
+    assert gw.model_config(256, gw.expert_ffn(256, 128)) == measure_geometry.qwen3(hidden=256)
+    params = {(h, cap): gw.parameter_count(gw.model_config(h, gw.expert_ffn(h, cap)), tokenizer)
+              for h, cap in ((2048, 128), (2048, 64), (256, 128))}
+    assert 5.3e9 < params[2048, 128] < 5.6e9 and 2.9e9 < params[2048, 64] < 3.1e9 and 0.6e9 < params[256, 128] < 0.63e9
+    h100, h200 = 81559 * 2**20, 143771 * 2**20  # the cards' memory as nvidia-smi reports it
+    assert gw.fit_ffn_cap(gw.WIDTHS, h200, tokenizer) == 128  # 87 GB of AdamW state in 70 % of 151 GB
+    assert gw.fit_ffn_cap(gw.WIDTHS, h100, tokenizer) == 64  # 48 GB in 70 % of 86 GB
+
+
+def test_device_wheels_are_the_repositorys_pins():
+    wheels = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "scripts" / "device_wheels.sh").read_text()))
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements.txt").read_text(), re.M))
+    shared = {name for name in wheels if name in pins}
+    assert {"transformers", "peft", "omegaconf", "math-verify"} <= shared
+    assert {name: wheels[name] for name in shared} == {name: pins[name] for name in shared}

@@ -308,6 +308,14 @@ def main(argv=None) -> int:
         fixed_steps = None if args.sft_steps == "auto" else int(args.sft_steps)
     except ValueError as err:
         raise SystemExit(f"gpu_width_geometry: --widths / --expert-ffn-cap / --sft-steps: {err}") from None
+    bad = [w for w in widths if w < 64 or w % 64]
+    if bad and not args.smoke:
+        raise SystemExit(f"gpu_width_geometry: --widths {args.widths}: {bad[0]} is not a multiple of 64 (heads of 32, "
+                         f"key/value heads hidden/64)")
+    if cap is not None and (cap < 8 or cap % 8):
+        raise SystemExit(f"gpu_width_geometry: --expert-ffn-cap {cap}: expected a multiple of 8 (grouped-GEMM strides)")
+    if fixed_steps is not None and fixed_steps < 1:
+        raise SystemExit(f"gpu_width_geometry: --sft-steps {fixed_steps}: expected a positive number or auto")
     device = resolve_device(args.device, args.smoke)
     if device.type == "cuda":  # the trainer is fp32: no TF32 products
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -371,7 +379,16 @@ def main(argv=None) -> int:
         log.info("%s: %.2f B parameters, AdamW state ~%.1f GB; %.0f s left", name, params / 1e9, need / 1e9, left)
         extra = {"device": env, "parameters": params, "adamw_bytes_estimate": need, "expert_ffn_cap": cap,
                  "sft_steps_choice": run.get("calibration", {"fixed": steps})}
-        record = run_point(name, cfg, device, test_rows, prompts, extra)
+        try:
+            record = run_point(name, cfg, device, test_rows, prompts, extra)
+        except torch.OutOfMemoryError as err:  # the estimate missed: the narrower points may still fit
+            reason = f"out of memory: {' '.join(str(err).split())[:200]}"
+        if reason:
+            log.warning("%s failed (%s)", name, reason)
+            run["skipped"].append({"name": name, "reason": reason})
+            write_json(out / RUN_RECORD, run)
+            free(device)
+            continue
         write_json(out / f"{name}.json", record)
         estimate = record["seconds_total"]
         run["points"].append({"name": name, "seconds": estimate, "share": record["results"]["bf16"]["all/share"]})

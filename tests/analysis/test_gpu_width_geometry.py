@@ -135,3 +135,34 @@ def test_device_wheels_are_the_repositorys_pins():
     shared = {name for name in wheels if name in pins}
     assert {"transformers", "peft", "omegaconf", "math-verify"} <= shared
     assert {name: wheels[name] for name in shared} == {name: pins[name] for name in shared}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--widths", "2048,300"], "300 is not a multiple of 64"),
+    (["--expert-ffn-cap", "12"], "--expert-ffn-cap 12: expected a multiple of 8"),
+    (["--sft-steps", "0"], "--sft-steps 0: expected a positive number"),
+    (["--widths", "big"], "--widths / --expert-ffn-cap / --sft-steps"),
+])
+def test_bad_options_are_one_line_before_anything_is_written(tmp_path, args, expected):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as err:
+        gw.main(["--out", str(out), *args])
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_a_point_out_of_memory_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    real = gw.run_point
+
+    def first_runs_out(name, *args, **kwargs):
+        if "_h64_" in name:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(gw, "run_point", first_runs_out)
+    assert gw.main(["--device", "cpu", "--smoke", "--sft-steps", "2", "--out", str(tmp_path),
+                    "--cpu-points", str(CPU_POINTS)]) == 0
+    run = json.loads((tmp_path / gw.RUN_RECORD).read_text())
+    assert run["skipped"] == [{"name": "gpu_smoke_warm2_h64_f16",
+                               "reason": "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"}]
+    assert [p["name"] for p in run["points"]] == ["gpu_smoke_warm2_h32_f16"] and "calibration" not in run

@@ -519,6 +519,8 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
         pairs = sorted({(int(h), int(f)) for h, f in zip(rows.H, rows.F)})
         if all(f == h // 2 for h, f in pairs):
             return "expert FFN H/2"
+        if len({f for _, f in pairs}) == 1:
+            return f"expert FFN {pairs[0][1]}"
         return "expert FFN " + ", ".join(f"{f} at {h}" for h, f in pairs)
 
     gpu = gpu[gpu.rollout == "bf16"].sort_values("H") if not gpu.empty else gpu

@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# The wheels a lent GPU machine needs to run scripts/gpu_width_geometry.py, saved to .whl/ (git-ignored).
+# The wheels the prepared GPU checks carry to a lent GPU machine (CPython 3.12, CUDA torch, no network):
+# requirements-device.txt (hashes pinned) into the git-ignored .whl/ that a device call names in `carry`.
 #
-#     bash scripts/device_wheels.sh        # here, with network; then carry .whl with the device call
+#     bash scripts/device_wheels.sh [DIR]     # here, where a registry is reachable (default DIR: .whl)
 #
-# The device machine has Python 3.12 with torch (CUDA), peft, accelerate, tokenizers, huggingface_hub,
-# numpy, scipy, pandas, matplotlib, psutil, xxhash and PyYAML, and no network. It lacks omegaconf
-# (moerl.config), math-verify (moerl.reward, imported by the trainer) and their antlr4 runtime, and its
-# transformers is newer than the repo's pin (moerl.models.experts uses transformers' grouped-experts
-# internals): the pins below are requirements.txt's (tests/analysis/test_gpu_width_geometry.py checks
-# that they agree), tokenizers is the newest that transformers 5.10.4 accepts. Installed on the device with
+# Used by scripts/gpu_router_replay.sh (megatron-core, verl's replay path) and scripts/gpu_width_geometry.py
+# (moerl's pins of transformers, peft, omegaconf, math-verify: the device's transformers is newer and it has
+# no omegaconf or math-verify). $PYTHON: the Python whose pip downloads (default python3; any version, the
+# wheels are chosen for CPython 3.12 manylinux x86_64). pip checks every download against its pinned hash;
+# the one source distribution (antlr4's) is checked the same way, then built into a pure-Python wheel here.
+# SHA256SUMS records what lies in DIR, so the GPU side verifies what arrived before installing it.
+# Idempotent: downloads again only what is missing. On the device:
 #     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
+dir=${1:-.whl}
 PY=${PYTHON:-python3}
-rm -rf .whl
-mkdir -p .whl
-PURE="transformers==5.10.4 peft==0.21.2 omegaconf==2.3.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0"
-BINARY="tokenizers==0.22.2"
-# shellcheck disable=SC2086
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl $PURE $BINARY
-# omegaconf pins antlr4-python3-runtime 4.9.*, published as a source archive only: built here (pure Python).
-"$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
-ls -l .whl
-du -sh .whl
+mkdir -p "$dir"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --require-hashes --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$dir" -r requirements-device.txt
+if ! ls "$dir"/antlr4_python3_runtime-4.9.3-py3-none-any.whl >/dev/null 2>&1; then
+  "$PY" -m pip wheel -q --no-deps --require-hashes --no-build-isolation -w "$dir" -r requirements-device-sdist.txt
+fi
+# exactly one file per pinned name, nothing else (two versions of one package stop the offline install)
+want=$(grep -hoE '^[A-Za-z0-9_.-]+==' requirements-device.txt requirements-device-sdist.txt | wc -l)
+have=$(ls "$dir"/*.whl | wc -l)
+if [ "$want" != "$have" ]; then
+  echo "[device-wheels] error: $dir holds $have wheels, requirements-device*.txt pin $want: empty $dir and rerun" >&2
+  exit 2
+fi
+(cd "$dir" && sha256sum ./*.whl > SHA256SUMS)
+echo "[device-wheels] $have wheels, $(du -sh "$dir" | cut -f1) in $dir (carry it: \"$dir\")"

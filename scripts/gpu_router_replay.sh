@@ -4,8 +4,8 @@
 #   MOERL_TEST_DEVICE=cuda bash scripts/gpu_router_replay.sh OUT_DIR     (on the GPU machine: OUT_DIR="$OUT")
 #   MOERL_TEST_DEVICE=cpu  bash scripts/gpu_router_replay.sh OUT_DIR     (the same steps on the CPU)
 # OUT_DIR: new or empty (a report there is never overwritten).
-# First, where a registry is reachable: bash scripts/fetch_gpu_wheels.sh (fills .gpu_wheels/, carried).
-# Steps: verify .gpu_wheels against its SHA256SUMS; install them offline (pip --no-index --no-deps) into
+# First, where a registry is reachable: bash scripts/device_wheels.sh (fills .whl/, carried).
+# Steps: verify .whl against its SHA256SUMS; install them offline (pip --no-index --no-deps) into
 # a --target folder put first on PYTHONPATH, over the machine's Python (its CUDA torch, matplotlib; a
 # venv made from that Python, itself a venv, would not see its packages); run the tests (run step);
 # draw the figure (plot step).
@@ -22,7 +22,7 @@ if [ -z "${MOERL_GPU_CHECK_GUARDED:-}" ]; then
   MOERL_GPU_CHECK_GUARDED=1 exec timeout -k 10 "${MOERL_GPU_CHECK_LIMIT_S:-300}" bash "$self" "$out"
 fi
 device=${MOERL_TEST_DEVICE:-cuda}
-wheels=${MOERL_GPU_WHEELS:-.gpu_wheels}
+wheels=${MOERL_GPU_WHEELS:-.whl}
 case "$device" in
   cuda) PY=${PYTHON:-python3}; PLOT_PY=$PY ;;
   cpu)  PY=${MOERL_MCORE_VENV:-$PWD/.venv-mcore}/bin/python; PLOT_PY=${MOERL_PLOT_PYTHON:-$PWD/.venv/bin/python} ;;
@@ -36,7 +36,7 @@ esac
   echo "[gpu-router-replay] error: MOERL_TEST_DEVICE=cuda but $PY's torch sees no CUDA device; use MOERL_TEST_DEVICE=cpu to rehearse" >&2
   exit 2; }
 [ -f "$wheels/SHA256SUMS" ] || {
-  echo "[gpu-router-replay] error: $wheels/SHA256SUMS missing: run scripts/fetch_gpu_wheels.sh where a registry is reachable, and carry $wheels" >&2
+  echo "[gpu-router-replay] error: $wheels/SHA256SUMS missing: run scripts/device_wheels.sh where a registry is reachable, and carry $wheels" >&2
   exit 2; }
 [ -e "$out/router_replay.json" ] && {
   echo "[gpu-router-replay] error: $out/router_replay.json exists: give an empty OUT_DIR (nothing is overwritten)" >&2

@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_router_replay.sh"
-WHEELS = REPO / ".gpu_wheels"
+WHEELS = REPO / ".whl"
 PLOT_PYTHON = Path(os.environ.get("MOERL_PLOT_PYTHON", REPO / ".venv" / "bin" / "python"))
 
 
@@ -84,7 +84,7 @@ def test_a_cuda_request_without_cuda_is_refused_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_cpu_rehearsal_writes_the_report_and_the_figure(tmp_path):
     if not (WHEELS / "SHA256SUMS").exists() or not PLOT_PYTHON.exists():
-        pytest.skip("needs .gpu_wheels (scripts/fetch_gpu_wheels.sh) and a Python with matplotlib (.venv)")
+        pytest.skip("needs .whl (scripts/device_wheels.sh) and a Python with matplotlib (.venv)")
     done = _run(tmp_path, "cpu")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     report = json.loads((tmp_path / "router_replay.json").read_text())

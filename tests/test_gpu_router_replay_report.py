@@ -5,26 +5,16 @@ to end through scripts/gpu_router_replay.sh, are in tests/upstream/test_gpu_rout
 cluster-pin venv only)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("moerl_gpu_router_replay", REPO / "scripts" / "gpu_router_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests_helpers import load_script
 
 
-grr = _script()
+
+grr = load_script("scripts/gpu_router_replay.py", "moerl_gpu_router_replay")
 
 
 def fixture_report(complete=True) -> dict:

@@ -1,5 +1,22 @@
 """Helpers importable from any test file (pytest puts tests/ on sys.path via rootdir conftest)."""
+from pathlib import Path
+
 from conftest import tiny_overrides as tiny_overrides_for  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str, name: str):
+    """A repository script (``scripts/x.py``, ``benchmarks/bench_x.py``) imported as a module, for the tests of
+    its functions; registered in ``sys.modules`` under ``name`` (dataclasses and pickling need it there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def lora_policy(tokenizer, preset: str = "qwen3_moe", **model):

@@ -3,11 +3,10 @@ shifted copy does not), its table, and its refusal of a rung override."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from tests_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "runs_07"
@@ -15,11 +14,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "runs_07"
 
 @pytest.fixture(scope="module")
 def fidelity():
-    spec = importlib.util.spec_from_file_location("_check_fidelity", ROOT / "scripts" / "check_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/check_fidelity.py", "_check_fidelity")
 
 
 def _two_seeds(fidelity):

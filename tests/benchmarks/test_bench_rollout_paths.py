@@ -1,8 +1,6 @@
 """benchmarks/bench_rollout_paths.py: its bit-identity check of two rollout batches."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,16 +8,13 @@ import torch
 
 from moerl.replay.trace import RoutingTrace
 from moerl.rollout.batch import RolloutBatch
+from tests_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("_bench_rollout_paths", ROOT / "benchmarks" / "bench_rollout_paths.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_rollout_paths.py", "_bench_rollout_paths")
 
 
 def _batch() -> RolloutBatch:

@@ -12,8 +12,6 @@ import pytest
 import torch
 from tests_helpers import load_script
 
-
-
 grr = load_script("scripts/gpu_router_replay.py", "moerl_gpu_router_replay")
 
 

@@ -8,7 +8,8 @@ import subprocess
 import pytest
 import yaml
 
-from moerl.analysis.registration import Registration, RegistrationError, analysis_path, registration_record
+from moerl.analysis.registration import (SHORT_HASH_LENGTH, Registration, RegistrationError, analysis_path,
+                                        registration_record)
 
 UTC = dt.timezone.utc
 
@@ -22,8 +23,9 @@ def commit(root, when, message):
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     subprocess.run(["git", "-C", str(root), "add", "-A"], check=True, env=env)
     subprocess.run(["git", "-C", str(root), "commit", "-qm", message], check=True, env=env)
-    return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+    full = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
+    return full[:SHORT_HASH_LENGTH]
 
 
 def write(path, margin):

@@ -72,7 +72,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
     assert "tis under the rules as first written (\"acted on\" first measured as `is/truncated_frac`: 0.003, 0.003, 0.003 per seed)" in text
     # every verdict carries its interval and power; amended rules are labelled post hoc with their commit
     assert "| tis | like control: " in text and "95 % t interval" in text
-    assert "*post hoc*: match_margin (76c4ee0)" in text and "acts_on_measure (c009c40)" in text
+    assert "*post hoc*: match_margin (76c4ee0f)" in text and "acts_on_measure (c009c40b)" in text
     assert "| match_margin | main (first run 2026-11-25 05:35 UTC)" in text
     assert grid["arms"]["r3"]["like_control"] == "yes" and grid["arms"]["r3"]["prevents_collapse"] == "yes"
     assert grid["r3_reduces_mismatch"]["verdict"] == "yes"
@@ -89,7 +89,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
             "Mind Lab R3 blog; verl rollout-correction docs | geo_mis_0p1pct: masked 70.00% of tokens") in results
     assert "| **yes** (experiment 05's rule, `moerl.analysis.claims.claim_masking`" in results
     assert "R3 keeps GRPO training like the mismatch-free run (rung int4)" in results
-    assert "| **yes — *post hoc*: match_margin (76c4ee0)** (-0.017 [-0.031, -0.002], 95 % t; power 0.38 at 3 seeds" in results
+    assert "| **yes — *post hoc*: match_margin (76c4ee0f)** (-0.017 [-0.031, -0.002], 95 % t; power 0.38 at 3 seeds" in results
 
 
 def test_masking_yes_on_the_level_says_when_the_share_did_not_fall():

@@ -80,6 +80,11 @@ def load(path: Path) -> dict:
     return data
 
 
+# A fixed length, not git's %h: %h grows with the number of objects in the clone, so the same
+# commit would print differently on a fresh clone and in a long-lived checkout.
+SHORT_HASH_LENGTH = 8
+
+
 def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True).stdout
 
@@ -87,10 +92,10 @@ def _git(root: Path, *args: str) -> str:
 def commit_time(root: Path, commit: str) -> tuple[str, dt.datetime]:
     """(short hash, committer time in UTC) of a commit; an unknown commit is an error naming it."""
     try:
-        out = _git(root, "show", "-s", "--format=%h %ct", commit).split()
+        out = _git(root, "show", "-s", "--format=%H %ct", commit).split()
     except subprocess.CalledProcessError:
         raise RegistrationError(f"commit {commit!r} named in a registered analysis is not in {root}'s history") from None
-    return out[0], dt.datetime.fromtimestamp(int(out[1]), dt.timezone.utc)
+    return out[0][:SHORT_HASH_LENGTH], dt.datetime.fromtimestamp(int(out[1]), dt.timezone.utc)
 
 
 @dataclass
@@ -104,7 +109,7 @@ class Version:
 def file_history(path: Path, root: Path = REPO) -> list[Version]:
     """Every committed version of the file, oldest first (renames followed)."""
     rel = Path(path).resolve().relative_to(Path(root).resolve())
-    log = _git(root, "log", "--follow", "--format=@@%h %ct", "--name-only", "--", str(rel))
+    log = _git(root, "log", "--follow", "--format=@@%H %ct", "--name-only", "--", str(rel))
     versions = []
     for entry in log.split("@@")[1:]:
         lines = [line for line in entry.splitlines() if line.strip()]
@@ -116,7 +121,7 @@ def file_history(path: Path, root: Path = REPO) -> list[Version]:
             data = yaml.safe_load(blob) or {}
         except yaml.YAMLError:
             data = {}
-        versions.append(Version(commit, dt.datetime.fromtimestamp(int(stamp), dt.timezone.utc),
+        versions.append(Version(commit[:SHORT_HASH_LENGTH], dt.datetime.fromtimestamp(int(stamp), dt.timezone.utc),
                                 hashlib.sha256(blob.encode()).hexdigest(), data))
     return versions[::-1]
 

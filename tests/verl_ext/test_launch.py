@@ -122,6 +122,95 @@ def test_refit_side_log_is_per_seed_beside_the_runs_log_and_reaches_workers():
     assert ok and "set empty" in detail
 
 
+RUNG1 = EXP / "04_moonlight_16b_a3b_r3" / "bringup" / "rung1.yaml"
+ROWS = b'{"step":1,"data":{"actor/ppo_kl":0.0}}\n'
+
+
+def _logs(cfg) -> tuple[Path, Path]:
+    from moerl.verl_ext.compose import select
+
+    env_vars = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    return Path(env_vars["VERL_FILE_LOGGER_PATH"]), Path(env_vars["MOERL_REFIT_LOG"])
+
+
+def test_each_seed_of_a_rung_has_its_own_file_log_with_its_refit_log_beside_it(monkeypatch, tmp_path):
+    """verl's FileLogger truncates its path, so seeds of one rung sharing a file would keep the last
+    seed's rows; the refit side log sits where check_first_steps.py looks for it (X.refit.jsonl beside
+    X.jsonl), also for a file log named on the command line."""
+    from moerl.verl_ext import refit_log
+
+    monkeypatch.setenv("MOERL_REPO", str(tmp_path))
+    logs = {seed: _logs(launch.prepare(RUNG1, seed=seed)[1]) for seed in (0, 1)}
+    assert logs[0][0] == tmp_path / "logs" / "bringup" / "04_rung1_seed0.jsonl"
+    assert logs[1][0] == tmp_path / "logs" / "bringup" / "04_rung1_seed1.jsonl"
+    assert all(refit_log.beside(file_log) == side for file_log, side in logs.values())
+    mine = tmp_path / "mine.jsonl"
+    _, cfg, _, _ = launch.prepare(RUNG1, seed=2, extra=[f"ray_kwargs.ray_init.runtime_env.env_vars."
+                                                        f"VERL_FILE_LOGGER_PATH={mine}"])
+    assert _logs(cfg) == (mine, tmp_path / "mine.refit.jsonl")
+
+
+def test_a_launch_moves_earlier_rows_aside_before_verl_truncates_its_file_log(monkeypatch, tmp_path, capsys):
+    """A re-launch (or a verl resume) of a seed keeps the rows logged before it, with the refit side log
+    of that launch beside them; the other seed's file is not touched. The stand-in for main_ppo opens
+    the file log the way verl's own FileLogger does."""
+    from moerl.verl_ext import refit_log
+
+    monkeypatch.setenv("MOERL_REPO", str(tmp_path))
+    folder = tmp_path / "logs" / "bringup"
+    folder.mkdir(parents=True)
+    (folder / "04_rung1_seed0.jsonl").write_bytes(ROWS)
+    (folder / "04_rung1_seed0.refit.jsonl").write_bytes(b'{"global_steps":1}\n')
+    (folder / "04_rung1_seed1.jsonl").write_bytes(b"seed 1\n")
+
+    def main_ppo(cmd, env, cwd):
+        from verl.utils.tracking import FileLogger
+
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", env["VERL_FILE_LOGGER_PATH"])
+        logger = FileLogger("moerl", "04_rung1_seed0")  # open(path, "wb")
+        logger.log({"actor/ppo_kl": 1.0}, step=1)
+        logger.finish()
+        return 0
+
+    monkeypatch.setattr(launch.subprocess, "call", main_ppo)
+    assert launch.main([str(EXP / "04_moonlight_16b_a3b_r3"), "--rung", "1", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    aside = [p for p in folder.glob("04_rung1_seed0.before-*.jsonl") if not p.name.endswith(".refit.jsonl")]
+    assert len(aside) == 1 and aside[0].read_bytes() == ROWS
+    assert refit_log.beside(aside[0]).read_bytes() == b'{"global_steps":1}\n'
+    assert b'"actor/ppo_kl":1.0' in (folder / "04_rung1_seed0.jsonl").read_bytes()
+    assert not (folder / "04_rung1_seed0.refit.jsonl").exists()
+    assert (folder / "04_rung1_seed1.jsonl").read_bytes() == b"seed 1\n"
+    assert f"moved it aside to {aside[0].name}, so no row is lost" in out
+
+
+def test_a_dry_run_reports_the_earlier_log_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MOERL_REPO", str(tmp_path))
+    log = tmp_path / "logs" / "bringup" / "04_rung1_seed0.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(ROWS)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert launch.main([str(EXP / "04_moonlight_16b_a3b_r3"), "--rung", "1", "--seed", "0", "--dry-run"]) == 0
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert (f"# {log} holds {len(ROWS)} bytes of an earlier launch: a launch would move it aside to "
+            f"04_rung1_seed0.before-") in capsys.readouterr().out
+
+
+def test_earlier_logs_of_launches_within_one_second_each_keep_their_own_name(tmp_path):
+    from datetime import datetime, timezone
+
+    log = tmp_path / "r_seed0.jsonl"
+    now = datetime(2026, 11, 27, 16, 45, tzinfo=timezone.utc)
+    log.write_bytes(b"")
+    assert launch.earlier_logs_aside({"VERL_FILE_LOGGER_PATH": str(log)}, now=now) == []  # nothing to keep
+    for rows in (b"first\n", b"second\n"):
+        log.write_bytes(rows)
+        [(src, dst)] = launch.earlier_logs_aside({"VERL_FILE_LOGGER_PATH": str(log)}, now=now)
+        src.rename(dst)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {
+        "r_seed0.before-20261127T164500Z.jsonl": b"first\n", "r_seed0.before-20261127T164500Z-1.jsonl": b"second\n"}
+
+
 def test_cli_override_that_breaks_a_rule_exits_2(capsys):
     argv = [str(EXP / "01_kimi_k2_lora_grpo"), "--dry-run", "actor_rollout_ref.rollout.expert_parallel_size=32"]
     assert launch.main(argv) == 2

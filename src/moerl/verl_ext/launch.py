@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from moerl import planner
@@ -371,7 +372,9 @@ def format_command(cmd: list[str], env: dict[str, str]) -> str:
 
 SEED_KEYS = ("actor_rollout_ref.actor.megatron.seed", "actor_rollout_ref.actor.data_loader_seed",
              "actor_rollout_ref.rollout.seed", "data.seed")
-RUNTIME_ENV = "+ray_kwargs.ray_init.runtime_env.env_vars"
+ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+RUNTIME_ENV = "+" + ENV_VARS
+FILE_LOG_ENV = "VERL_FILE_LOGGER_PATH"  # verl's FileLogger writes here (trainer.logger: [..., file])
 
 
 def launch_overrides(exp: Experiment, seed: int | None = None, extra: list[str] = ()) -> list[str]:
@@ -427,6 +430,9 @@ def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[s
     - every ``ray_kwargs.ray_init.runtime_env.env_vars`` value written with an OmegaConf
       interpolation (``${oc.env:MOERL_REPO,.}/...``) is replaced by its value here: verl passes the
       runtime env to Ray as text and Ray expands only ``${NAME}`` (rule verl.runtime_env_resolved);
+    - verl's file log (``VERL_FILE_LOGGER_PATH``, a bring-up rung's) gets ``_seed<N>`` in its name
+      (``file_log_path``): verl's FileLogger truncates its path, so two seeds sharing one file
+      would keep only the last seed's rows;
     - the refit side log (``moerl.verl_ext.refit_log``): ``MOERL_REFIT_LOG`` names this run's file
       (``refit_log_path``) and ``VERL_USE_EXTERNAL_MODULES`` gains the module, so every verl process
       installs it (rule refit.side_log_reaches_workers).
@@ -445,47 +451,69 @@ def run_identity_overrides(cfg, exp: Experiment, seed: int | None, extra: list[s
     if "trainer.default_local_dir" not in mine and "trainer.default_local_dir" not in exp.origin:
         project = str(select(cfg, "trainer.project_name"))
         out.append(f"trainer.default_local_dir={_format_value(str(checkpoint_root() / project / name))}")
-    env_node = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    env_node = select(cfg, ENV_VARS)
+    file_log_given = f"{ENV_VARS}.{FILE_LOG_ENV}" in mine
+    file_log = file_log_path(cfg, None if file_log_given else seed)
     for key in constraints.unresolved_runtime_env(cfg):
-        full = f"ray_kwargs.ray_init.runtime_env.env_vars.{key}"
-        if full in mine:
+        full = f"{ENV_VARS}.{key}"
+        if full in mine or key == FILE_LOG_ENV:
             continue
         try:
             value = OmegaConf.select(env_node, key, throw_on_resolution_failure=True)
         except Exception:  # e.g. ${oc.env:X} with X unset here: left as is, rule verl.runtime_env_resolved names it
             continue
         out.append(f"{full}={_format_value(str(value))}")
-    out += _refit_log_overrides(cfg, name, mine)
+    if file_log is not None and not file_log_given:
+        out.append(f"{ENV_VARS}.{FILE_LOG_ENV}={_format_value(str(file_log))}")
+    out += _refit_log_overrides(cfg, name, mine, file_log)
     return out
 
 
-def refit_log_path(cfg, experiment_name: str) -> Path:
-    """This run's refit side log: ``<experiment_name>.refit.jsonl`` in the folder of verl's file log
-    (``VERL_FILE_LOGGER_PATH``: a bring-up rung's ``logs/bringup/NN_rungN.refit.jsonl``, beside
-    ``NN_rungN.jsonl``), else in ``<repo>/logs/<project>/``. The experiment name carries ``_seed<N>``,
-    so seeds never share a file. The repository is on storage every node sees (the sbatch installs it
-    on each node), as the rows of every node's workers land in this one file."""
+def file_log_path(cfg, seed: int | None) -> Path | None:
+    """verl's file log for this run: ``VERL_FILE_LOGGER_PATH`` resolved, with ``_seed<N>`` added to
+    its name as to the experiment name (``logs/bringup/03_rung1.jsonl`` -> ``03_rung1_seed0.jsonl``).
+    None when the config sets no file log or its path cannot be resolved here (rule
+    verl.runtime_env_resolved then names it)."""
     from omegaconf import OmegaConf
 
-    env_node = select(cfg, "ray_kwargs.ray_init.runtime_env.env_vars")
+    env_node = select(cfg, ENV_VARS)
     try:
-        file_log = OmegaConf.select(env_node, "VERL_FILE_LOGGER_PATH", throw_on_resolution_failure=True) \
+        value = OmegaConf.select(env_node, FILE_LOG_ENV, throw_on_resolution_failure=True) \
             if env_node is not None else None
-    except Exception:  # an unresolvable path: rule verl.runtime_env_resolved names it
-        file_log = None
-    folder = Path(str(file_log)).parent if file_log else REPO / "logs" / str(select(cfg, "trainer.project_name"))
+    except Exception:
+        return None
+    if not value:
+        return None
+    path = Path(str(value))
+    if seed is None:
+        return path
+    stem = path.name[: -len(path.suffix)] if path.suffix else path.name
+    tag = f"_seed{int(seed)}"
+    return path if stem.endswith(tag) else path.with_name(stem + tag + path.suffix)
+
+
+def refit_log_path(cfg, experiment_name: str, file_log: Path | None) -> Path:
+    """This run's refit side log: ``refit_log.beside(file_log)`` when verl writes a file log (a
+    bring-up rung's ``logs/bringup/NN_rungN_seed<S>.refit.jsonl`` beside ``NN_rungN_seed<S>.jsonl``,
+    the very name check_first_steps.py looks for), else ``<repo>/logs/<project>/<experiment_name>.refit.jsonl``.
+    Both carry the seed (the file log's name and the experiment name get ``_seed<N>``), so seeds never
+    share a file. The repository is on storage every node sees (the sbatch installs it on each node), as
+    the rows of every node's workers land in this one file."""
+    if file_log is not None:
+        return refit_log.beside(file_log).resolve()
+    folder = REPO / "logs" / str(select(cfg, "trainer.project_name"))
     return (folder / f"{experiment_name}{refit_log.SUFFIX}").resolve()
 
 
-def _refit_log_overrides(cfg, experiment_name: str, mine: set[str]) -> list[str]:
+def _refit_log_overrides(cfg, experiment_name: str, mine: set[str], file_log: Path | None) -> list[str]:
     from moerl.verl_ext.compose import _format_value
 
-    prefix = "ray_kwargs.ray_init.runtime_env.env_vars"
+    prefix = ENV_VARS
     env_vars = select(cfg, prefix) or {}
     out = []
     if f"{prefix}.{refit_log.ENV_PATH}" not in mine:
         add = "" if refit_log.ENV_PATH in env_vars else "+"
-        path = refit_log_path(cfg, experiment_name)
+        path = refit_log_path(cfg, experiment_name, file_log)
         out.append(f"{add}{prefix}.{refit_log.ENV_PATH}={_format_value(str(path))}")
     mods = [m for m in str(env_vars.get("VERL_USE_EXTERNAL_MODULES", "") or "").split(",") if m]
     if f"{prefix}.VERL_USE_EXTERNAL_MODULES" not in mine and refit_log.MODULE not in mods:
@@ -514,6 +542,34 @@ def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = ()
         lines = "\n".join(f"  [{c.name}] {c.detail}" for c in failed)
         raise ConstraintError(f"{exp.name} ({exp.files[-1]}): {len(failed)} constraint(s) broke:\n{lines}")
     return exp, cfg, checks, p
+
+
+def earlier_logs_aside(env: dict[str, str], now: datetime | None = None) -> list[tuple[Path, Path]]:
+    """(log, where it goes) for each of this run's logs that already holds rows: verl's file log and
+    the refit side log, each to ``<name>.before-<UTC time>`` with its suffix kept, e.g.
+    ``04_rung1_seed0.before-20261127T164500Z.jsonl`` and ``...before-20261127T164500Z.refit.jsonl``.
+
+    verl's FileLogger opens its path with ``open(path, "wb")``, so a re-launch or a verl resume
+    (``trainer.resume_mode``) would erase the rows logged before it. Moving them aside, rather than
+    refusing to start, keeps a resume one command, and one time stamp for both files keeps the pair
+    that check_first_steps.py reads together (``X.refit.jsonl`` beside ``X.jsonl``). Nothing moves
+    here: ``main`` moves them just before a real launch; a dry run only reports them."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    logs = [Path(p) for p in (env.get(FILE_LOG_ENV), env.get(refit_log.ENV_PATH)) if p]
+    full = [p for p in logs if p.is_file() and p.stat().st_size > 0]
+    n = 0
+    while True:  # two launches within one second: a counter keeps each earlier file
+        tag = f"before-{stamp}" + (f"-{n}" if n else "")
+        moves = [(p, _with_tag(p, tag)) for p in full]
+        if not any(dst.exists() for _, dst in moves):
+            return moves
+        n += 1
+
+
+def _with_tag(path: Path, tag: str) -> Path:
+    suffix = refit_log.SUFFIX if path.name.endswith(refit_log.SUFFIX) else path.suffix
+    head = path.name[: len(path.name) - len(suffix)] if suffix else path.name
+    return path.with_name(f"{head}.{tag}{suffix}")
 
 
 def rung_file(experiment: str | Path, rung: int) -> Path:
@@ -584,12 +640,21 @@ def main(argv: list[str] | None = None) -> int:
     ray = os.environ.get("RAY_ADDRESS")
     print(f"# ray: {'joins ' + ray if ray else 'verl starts a local Ray instance (single node)'}")
     print(format_command(cmd, env))
+    if env.get(FILE_LOG_ENV):
+        print(f"# verl file log: {env[FILE_LOG_ENV]} (scripts/check_first_steps.py reads it and the refit side "
+              f"log beside it)")
     if env.get(refit_log.ENV_PATH):
         print(f"# refit side log: {env[refit_log.ENV_PATH]} (python scripts/check_first_steps.py LOG --refit-log "
               f"{env[refit_log.ENV_PATH]})")
+    for src, dst in earlier_logs_aside(env):
+        size = src.stat().st_size
+        if not args.dry_run:
+            src.rename(dst)  # same folder: an atomic rename, to a name earlier_logs_aside found free
+        print(f"# {src} holds {size} bytes of an earlier launch: "
+              f"{'a launch would move' if args.dry_run else 'moved'} it aside to {dst.name}, so no row is lost")
     if args.dry_run:
         return 0
-    for log in (env.get("VERL_FILE_LOGGER_PATH"), env.get(refit_log.ENV_PATH)):
+    for log in (env.get(FILE_LOG_ENV), env.get(refit_log.ENV_PATH)):
         if log:  # verl's FileLogger opens its path without creating the folder
             Path(log).parent.mkdir(parents=True, exist_ok=True)
     return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)

@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         size = src.stat().st_size
         if not args.dry_run:
             src.rename(dst)  # same folder: an atomic rename, to a name earlier_logs_aside found free
-        print(f"# {src} holds {size} bytes of an earlier launch: "
+        print(f"# {src} {'holds' if args.dry_run else 'held'} {size} bytes of an earlier launch: "
               f"{'a launch would move' if args.dry_run else 'moved'} it aside to {dst.name}, so no row is lost")
     if args.dry_run:
         return 0

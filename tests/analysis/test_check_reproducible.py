@@ -1,13 +1,9 @@
 """scripts/check_reproducible.py: what counts as the trajectory (exact) and what as float statistics."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests_helpers import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_reproducible.py"
-spec = importlib.util.spec_from_file_location("check_reproducible", SCRIPT)
-check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check)
+check = load_script("scripts/check_reproducible.py", "check_reproducible")
 
 RECORDED = [{"step": 0, "eval/pass1": 0.35},
             {"step": 1, "reward/mean": 0.3, "mismatch/k3": 1e-13, "loss/policy": 0.5, "time/step": 1.0},

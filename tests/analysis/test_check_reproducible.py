@@ -1,7 +1,7 @@
 """scripts/check_reproducible.py: what counts as the trajectory (exact) and what as float statistics."""
 from __future__ import annotations
 
-from tests_helpers import load_script
+from tests_helpers import REPO, load_script
 
 check = load_script("scripts/check_reproducible.py", "check_reproducible")
 
@@ -59,6 +59,6 @@ def test_a_renamed_metric_is_compared_under_its_current_name():
 def test_check_other_cpu_refuses_an_unknown_part_before_running_anything(tmp_path):
     import subprocess
 
-    script = SCRIPT.parent / "check_other_cpu.sh"
+    script = REPO / "scripts" / "check_other_cpu.sh"
     proc = subprocess.run(["bash", str(script), "--only", "everything"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--only takes reproduce or speed, not 'everything'" in proc.stderr

@@ -1,17 +1,14 @@
 """scripts/ls.py lists every experiment and every arm with a description and what its loss really is."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("moerl_ls_script", REPO / "scripts" / "ls.py")
-ls = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = ls
-spec.loader.exec_module(ls)
+ls = load_script("scripts/ls.py", "moerl_ls_script")
 
 
 def test_every_experiment_is_listed_with_its_launcher(capsys):

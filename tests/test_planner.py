@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moerl import planner
+from tests_helpers import load_script
 
 MODELS = ["kimi_k2", "deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b", "moonlight_16b_a3b"]
 
@@ -105,14 +106,7 @@ def test_adapter_refit_is_smaller_than_merged():
 
 
 def _script(name):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"scripts/{name}.py", f"_script_{name}")
 
 
 def test_plan_script_exit_codes(capsys):

@@ -1,18 +1,13 @@
 """scripts/prepare_data.py writes verl parquet files verl's RLHFDataset schema expects."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pandas as pd
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
+from tests_helpers import load_script
 
 
 def _main():
-    spec = importlib.util.spec_from_file_location("_prepare_data", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return load_script("scripts/prepare_data.py", "_prepare_data").main
 
 
 def test_synthetic_fallback(tmp_path):

@@ -1,19 +1,16 @@
 """The README is a front page whose numbers come from results/: a test fails when they drift."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("moerl_readme_numbers", REPO / "scripts" / "write_readme_numbers.py")
-numbers = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = numbers
-spec.loader.exec_module(numbers)
+numbers = load_script("scripts/write_readme_numbers.py", "moerl_readme_numbers")
 
 
 @pytest.mark.slow

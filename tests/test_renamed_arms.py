@@ -3,7 +3,6 @@ everywhere a user or a recorded run uses it -- arm files on the command line, la
 directories and their config.yaml, the registered analyses -- and resolves to the same arm."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import yaml
 
 from moerl.config import (RENAMED_ARMS, ConfigError, config_diff, config_hash, config_hashes, config_yaml,
                           current_arm, former_arms, identity_dict, load_config, to_dict)
+from tests_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 # The CPU experiments' arms (moerl configs); a cluster experiment's former names compose through verl
@@ -27,11 +27,7 @@ RENAMES = [(exp, old, new) for exp, table in RENAMED_ARMS.items() for old, new i
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"moerl_{name}_script", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"scripts/{name}.py", f"moerl_{name}_script")
 
 
 @pytest.mark.parametrize("experiment, old, new", RENAMES)

@@ -1,13 +1,9 @@
 """scripts/check_reproducible.py: what counts as the trajectory (exact) and what as float statistics."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests_helpers import REPO, load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_reproducible.py"
-spec = importlib.util.spec_from_file_location("check_reproducible", SCRIPT)
-check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check)
+check = load_script("scripts/check_reproducible.py", "check_reproducible")
 
 RECORDED = [{"step": 0, "eval/pass1": 0.35},
             {"step": 1, "reward/mean": 0.3, "mismatch/k3": 1e-13, "loss/policy": 0.5, "time/step": 1.0},
@@ -63,6 +59,6 @@ def test_a_renamed_metric_is_compared_under_its_current_name():
 def test_check_other_cpu_refuses_an_unknown_part_before_running_anything(tmp_path):
     import subprocess
 
-    script = SCRIPT.parent / "check_other_cpu.sh"
+    script = REPO / "scripts" / "check_other_cpu.sh"
     proc = subprocess.run(["bash", str(script), "--only", "everything"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--only takes reproduce or speed, not 'everything'" in proc.stderr

@@ -1,7 +1,6 @@
 """experiments/07_dose_threshold/report.py on crafted run directories: the ladder, the control's
 learning test per seed, and the main grid's paired verdicts land in ladder.md / ladder.json, and the
 figure is drawn."""
-import importlib.util
 import json
 import shutil
 import sys
@@ -10,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("report07", REPO / "experiments/07_dose_threshold/report.py")
-report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(report)
+report = load_script("experiments/07_dose_threshold/report.py", "report07")
 
 
 def write_run(root, arm, rung, seed, pass1_end, k3, extra=None, collapse=False, steps=60):

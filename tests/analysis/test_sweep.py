@@ -2,22 +2,19 @@
 stand-in run.py (no training), and one real tiny run through the sweep."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 EXP_DIR = REPO / "experiments" / "00_tiny_moe_cpu"
 
-spec = importlib.util.spec_from_file_location("moerl_sweep_script", REPO / "scripts" / "sweep.py")
-sweep = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = sweep  # dataclasses look their module up there
-spec.loader.exec_module(sweep)
+sweep = load_script("scripts/sweep.py", "moerl_sweep_script")
 
 # A stand-in for scripts/run.py: resolves the run directory exactly as run.py does, records its
 # argv and thread env there, and writes summary.json (or fails for the arm named in $FAKE_FAIL_ARM).

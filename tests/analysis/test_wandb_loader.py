@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from moerl.analysis.results import VERL_METRIC_MAP, MissingRunError, load_wandb_runs, map_verl_metrics
+from tests_helpers import load_script
 
 
 class FakeRun:
@@ -53,13 +54,7 @@ def test_map_is_one_to_one_and_empty_projects_are_named():
 
 
 def test_cluster_results_table_puts_the_run_beside_the_paper():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "cluster_results.py"
-    spec = importlib.util.spec_from_file_location("cluster_results", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/cluster_results.py", "cluster_results")
     rows = [{"_step": s, "training/global_step": s, "rollout_corr/k3_kl": k3} for s, k3 in ((1, 9.0), (2, 1e-3), (3, 3e-3))]
     runs = [FakeRun(f"r{seed}", "r3", {"experiment": "02_x", "arm": "r3", "seed": seed}, rows) for seed in (0, 1)]
     text = mod.main(["me/p", "--experiment", "02_x", "--last", "2"], api=FakeApi(runs))

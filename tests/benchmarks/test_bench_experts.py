@@ -1,22 +1,15 @@
 """benchmarks/bench_experts.py on a tiny random-init model: it runs both sides and finds them bit-identical."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
-from tests_helpers import load_script
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests_helpers import load_script
 
 
 def test_bench_experts_compares_both_forwards(tmp_path):
-    spec = importlib.util.spec_from_file_location("_bench_experts", ROOT / "benchmarks" / "bench_experts.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_experts.py", "_bench_experts")
     result = bench.main(["--rounds", "1", "--out", str(tmp_path), "warm_start.enabled=false", "model.init_std=0.1",
                          "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
                          "trainer.micro_batch_size=4", "data.train_size=64", "data.test_size=8"])

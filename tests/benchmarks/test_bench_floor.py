@@ -2,23 +2,15 @@
 arithmetic on a hand-sized batch, and the GEMM-rate timer."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests_helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_bench_floor", ROOT / "benchmarks" / "bench_floor.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_floor.py", "_bench_floor")
 
 
 @pytest.mark.parametrize("lora_attention", [False, True])

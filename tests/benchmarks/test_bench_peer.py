@@ -3,22 +3,17 @@ and a two-step smoke run against TRL that is skipped where TRL is not installed 
 in .venv-peer, built by scripts/setup_peer_env.sh)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests_helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("_bench_peer", ROOT / "benchmarks" / "bench_peer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_peer.py", "_bench_peer")
 
 
 def test_trl_batch_matches_moerl_step(bench):

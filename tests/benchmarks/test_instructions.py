@@ -3,13 +3,14 @@
 The callgrind dump reader and the overhead arithmetic are checked on small hand-written inputs; one
 test counts two regions of a real process under valgrind where valgrind is installed.
 """
-import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -69,10 +70,7 @@ def test_regions_are_read_in_the_order_they_closed(tmp_path):
 
 
 def _bench_replay():
-    spec = importlib.util.spec_from_file_location("_bench_replay", ROOT / "benchmarks" / "bench_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_replay.py", "_bench_replay")
 
 
 def _arm(regions: dict, sha: str = "s", matmul: dict | None = None, markers: int = 0) -> dict:

@@ -3,7 +3,6 @@ compare the resumed run with an uninterrupted one: every metric row except wall-
 the final LoRA weights, optimizer state, sampler position and token samples, bit for bit."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -15,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "scripts" / "run.py"
 ARM = REPO / "experiments" / "00_tiny_moe_cpu" / "arms" / "baseline.yaml"
@@ -22,9 +23,7 @@ ARM = REPO / "experiments" / "00_tiny_moe_cpu" / "arms" / "baseline.yaml"
 TIMING_KEYS = ("time/", "refit/seconds")
 
 
-_spec = importlib.util.spec_from_file_location("moerl_run_script", RUN)
-run_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_script)
+run_script = load_script("scripts/run.py", "moerl_run_script")
 
 
 def fails_with(argv: list[str]) -> str:

@@ -215,13 +215,12 @@ def test_characters_the_tokenizer_does_not_know_are_named(tmp_path, caplog):
 
 
 def _sweep_script():
-    import importlib.util
     import sys
 
-    if "moerl_sweep_script" not in sys.modules:  # dataclasses look their module up by name
-        spec = importlib.util.spec_from_file_location("moerl_sweep_script", REPO / "scripts" / "sweep.py")
-        sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[spec.name])
+    from tests_helpers import load_script
+
+    if "moerl_sweep_script" not in sys.modules:  # one copy: dataclasses look their module up by name
+        load_script("scripts/sweep.py", "moerl_sweep_script")
     return sys.modules["moerl_sweep_script"]
 
 

@@ -105,14 +105,10 @@ def test_checkpoint_check_reads_files_and_refuses_what_it_cannot_check(tmp_path)
     nothing = check_shared_expert_copies({"decoder.layers.0.self_attention.linear_qkv.weight": same})
     assert not nothing.ok and "no shared expert adapter" in nothing.detail
     # through the checker's command line, beside a healthy run's log
-    import importlib.util
-    from pathlib import Path
+    from tests_helpers import REPO, load_script
 
-    repo = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("check_first_steps", repo / "scripts" / "check_first_steps.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    run = str(repo / "results" / "runs" / "00_tiny_moe_cpu" / "baseline" / "seed1")
+    cli = load_script("scripts/check_first_steps.py", "check_first_steps")
+    run = str(REPO / "results" / "runs" / "00_tiny_moe_cpu" / "baseline" / "seed1")
     assert cli.main([run, "--checkpoint", str(tmp_path / "ok.safetensors")]) == 0
     assert cli.main([run, "--checkpoint", str(tmp_path / "bad.pt"), "--ep", "2"]) == 1
     assert cli.main([run, "--checkpoint", str(tmp_path / "absent.pt")]) == 2

@@ -7,7 +7,7 @@ import pytest
 from moerl.config import load_config
 from moerl.analysis.dose import MECHANISM_RUNGS, QAT_ARMS, RUNGS
 from moerl.trainer.grpo import GRPOTrainer
-from tests_helpers import tiny_overrides_for
+from tests_helpers import load_script, tiny_overrides_for
 
 ARMS = Path(__file__).resolve().parents[2] / "experiments" / "07_dose_threshold" / "arms"
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=8", "model.top_k=2",
@@ -58,13 +58,10 @@ def test_one_step_of_every_mitigation(arm, tmp_path):
 
 
 def test_reevaluate_control_reproduces_the_recorded_evaluation_first(tmp_path, monkeypatch):
-    import importlib.util
     import json
     import sys
 
-    spec = importlib.util.spec_from_file_location("reevaluate07", ARMS.parent / "reevaluate_control.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("experiments/07_dose_threshold/reevaluate_control.py", "reevaluate07")
     runs = tmp_path / "runs"
     cfg = load_config(ARMS / "fp32_control.yaml", tiny_overrides_for(tmp_path) + TINY + ["trainer.eval_every=3"])
     trainer = GRPOTrainer(cfg, runs / "07_dose_threshold" / "fp32_control" / "seed0", progress=False)

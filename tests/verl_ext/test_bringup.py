@@ -2,7 +2,6 @@
 runs the experiment's own family with R3 on, and the rung checkpoints are real HF checkpoints."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,14 +10,13 @@ import pytest
 from moerl import planner
 from moerl.verl_ext import first_steps, launch
 from moerl.verl_ext.compose import read_yaml_chain
+from tests_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 EXP = REPO / "experiments"
 RUNGS = sorted(p.relative_to(EXP) for p in EXP.glob("0[1-4]_*/bringup/rung*.yaml"))
 
-_spec = importlib.util.spec_from_file_location("make_bringup_checkpoint", REPO / "scripts" / "make_bringup_checkpoint.py")
-ckpt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ckpt)
+ckpt = load_script("scripts/make_bringup_checkpoint.py", "make_bringup_checkpoint")
 
 
 def test_each_scale_experiment_has_its_rungs():

@@ -3,7 +3,6 @@ formats, pass; one crafted log per invariant fails for exactly that invariant.""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,15 +11,13 @@ import pytest
 
 from moerl.analysis.results import VERL_METRIC_MAP
 from moerl.verl_ext import first_steps as fs
-from tests_helpers import verl_adapter_tensors
+from tests_helpers import load_script, verl_adapter_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = REPO / "results" / "runs" / "00_tiny_moe_cpu"
 TO_VERL = {v: k for k, v in VERL_METRIC_MAP.items() if v != "step"}
 
-_spec = importlib.util.spec_from_file_location("check_first_steps", REPO / "scripts" / "check_first_steps.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
+cli = load_script("scripts/check_first_steps.py", "check_first_steps")
 
 
 def _verl_steps(run: str, steps=(1, 2, 3)) -> dict[int, dict]:

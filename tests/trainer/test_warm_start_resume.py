@@ -22,7 +22,7 @@ class Killed(Exception):
     pass
 
 
-def test_a_killed_sft_continues_to_the_same_weights(tmp_path, monkeypatch):
+def test_a_killed_sft_continues_to_the_same_weights(tmp_path, monkeypatch, caplog):
     cfg = _cfg(tmp_path / "through")
     through = warm_start.warm_start_dir(cfg)
     warm_start.train_warm_start(cfg, through, progress=False)
@@ -43,8 +43,11 @@ def test_a_killed_sft_continues_to_the_same_weights(tmp_path, monkeypatch):
     progress = warm_start._progress_path(out)
     assert progress.exists() and not out.exists()
     monkeypatch.setattr(faults, "hit", lambda point: None)
-    meta = warm_start.train_warm_start(cfg, out, progress=False)
+    with caplog.at_level(logging.INFO, logger="moerl.trainer.warm_start"):
+        meta = warm_start.train_warm_start(cfg, out, progress=False)
     assert meta["steps"] == 6
+    # without a progress bar, each save is a log line a reader of a sweep's log can follow
+    assert "warm start: step 4 of 6 saved" in caplog.text and "min to go" in caplog.text
     assert (out / "model.safetensors").read_bytes() == (through / "model.safetensors").read_bytes()
     assert not progress.exists()  # the finished warm start replaces its progress
 

@@ -167,6 +167,10 @@ def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: 
             _save_progress(progress_file, key, step + 1, earlier + time.time() - start, model, opt, sched, rng)
             last_save = time.time()
             faults.hit("warm_start_progress")
+            if not progress:  # no bar (a log file, a sweep): the saves are the progress a reader sees
+                rate = (last_save - start) / (step + 1 - done)
+                log.info("warm start: step %d of %d saved, loss %.3f, about %.0f min to go", step + 1, steps,
+                         loss.item(), rate * (steps - step - 1) / 60)
     model.config.output_router_logits = False
     seconds = earlier + time.time() - start
     del opt, sched  # the optimiser state (twice the weights) is not needed to evaluate

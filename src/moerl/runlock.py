@@ -114,3 +114,30 @@ def unlock_run(run_dir: Path) -> None:
         if held.dir_fd is not None:
             os.close(held.dir_fd)
         os.close(held.file_fd)
+
+
+def held_fds(run_dir: Path) -> tuple[int, ...]:
+    """The descriptors holding this process's locks of ``run_dir``. A child started with them
+    (``subprocess`` ``pass_fds``) shares the locks, which then last until the child ends too, even when
+    this process dies first."""
+    held = _HELD.get(Path(run_dir).resolve())
+    if held is None:
+        return ()
+    return (held.file_fd,) + ((held.dir_fd,) if held.dir_fd is not None else ())
+
+
+def lock_holder(run_dir: Path) -> str | None:
+    """The PID holding ``run_dir``'s lock file, None when it is free. Creates and writes nothing (what a
+    dry run may do): a shared lock is tried for a moment on the existing file and given back."""
+    path = lock_path(Path(run_dir).resolve())
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing the descriptor gives back a lock taken on it
+    return None

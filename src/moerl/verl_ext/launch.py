@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moerl import planner
+from moerl import planner, runlock
 from moerl.config import LossConfig, from_dict
-from moerl.verl_ext import constraints, losses, refit_log
+from moerl.verl_ext import constraints, losses, refit_log, resume_check
 from moerl.verl_ext.compose import (VERL_CONFIG_NAME, Experiment, ExperimentError, compose_experiment,
                                     env_for, load_experiment, select)
 
@@ -613,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
                     "experiment README's bring-up ladder)")
     ap.add_argument("--seed", type=int, help=f"seed for {', '.join(SEED_KEYS)}")
     ap.add_argument("--dry-run", action="store_true", help="compose, validate and print; do not run")
+    ap.add_argument("--adopt-checkpoint", action="store_true", help="resume a checkpoint folder that has no "
+                    f"{resume_check.MANIFEST} (a run launched without this launcher): this launch's identity is "
+                    "recorded, not verified")
     ap.add_argument("--python", default=sys.executable, help="interpreter on the cluster (default: this one)")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the flags
     if args.rung is not None:
@@ -646,18 +649,51 @@ def main(argv: list[str] | None = None) -> int:
     if env.get(refit_log.ENV_PATH):
         print(f"# refit side log: {env[refit_log.ENV_PATH]} (python scripts/check_first_steps.py LOG --refit-log "
               f"{env[refit_log.ENV_PATH]})")
+    try:  # read-only: a refused relaunch writes nothing
+        resume = resume_check.inspect(cfg, exp.arm, args.seed, adopt=args.adopt_checkpoint)
+    except resume_check.ResumeRefused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _report(resume, env, dry_run=True)
+        holder = runlock.lock_holder(resume.run_dir)
+        print(f"# one writer: {resume.run_dir} is in use by process {holder}: a launch now would be refused" if holder
+              else f"# one writer: a launch holds {runlock.lock_path(resume.run_dir)} while main_ppo runs")
+        return 0
+    try:
+        runlock.lock_run(resume.run_dir, create=True)
+    except runlock.RunLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        try:  # again under the lock: a launch that held it until now may have saved a step since
+            resume = resume_check.inspect(cfg, exp.arm, args.seed, adopt=args.adopt_checkpoint)
+        except resume_check.ResumeRefused as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        resume.record_launch()
+        _report(resume, env, dry_run=False)
+        for log in (env.get(FILE_LOG_ENV), env.get(refit_log.ENV_PATH)):
+            if log:  # verl's FileLogger opens its path without creating the folder
+                Path(log).parent.mkdir(parents=True, exist_ok=True)
+        # main_ppo inherits the lock's descriptors: the lock lasts as long as it runs, even past this process
+        return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO,
+                               pass_fds=runlock.held_fds(resume.run_dir))
+    finally:
+        runlock.unlock_run(resume.run_dir)
+
+
+def _report(resume: resume_check.ResumeCheck, env: dict[str, str], dry_run: bool) -> None:
+    """The checkpoint lines, then the earlier logs a launch moves aside (a dry run moves nothing)."""
+    for note in resume.notes:
+        print(f"# {note}")
+    print(f"# checkpoints: {resume.summary(dry_run)}")
     for src, dst in earlier_logs_aside(env):
         size = src.stat().st_size
-        if not args.dry_run:
+        if not dry_run:
             src.rename(dst)  # same folder: an atomic rename, to a name earlier_logs_aside found free
-        print(f"# {src} {'holds' if args.dry_run else 'held'} {size} bytes of an earlier launch: "
-              f"{'a launch would move' if args.dry_run else 'moved'} it aside to {dst.name}, so no row is lost")
-    if args.dry_run:
-        return 0
-    for log in (env.get(FILE_LOG_ENV), env.get(refit_log.ENV_PATH)):
-        if log:  # verl's FileLogger opens its path without creating the folder
-            Path(log).parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.call(cmd, env={**os.environ, **env}, cwd=REPO)
+        print(f"# {src} {'holds' if dry_run else 'held'} {size} bytes of an earlier launch: "
+              f"{'a launch would move' if dry_run else 'moved'} it aside to {dst.name}, so no row is lost")
 
 
 if __name__ == "__main__":

@@ -157,13 +157,14 @@ def test_a_launch_moves_earlier_rows_aside_before_verl_truncates_its_file_log(mo
     from moerl.verl_ext import refit_log
 
     monkeypatch.setenv("MOERL_REPO", str(tmp_path))
+    monkeypatch.setenv("MOERL_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
     folder = tmp_path / "logs" / "bringup"
     folder.mkdir(parents=True)
     (folder / "04_rung1_seed0.jsonl").write_bytes(ROWS)
     (folder / "04_rung1_seed0.refit.jsonl").write_bytes(b'{"global_steps":1}\n')
     (folder / "04_rung1_seed1.jsonl").write_bytes(b"seed 1\n")
 
-    def main_ppo(cmd, env, cwd):
+    def main_ppo(cmd, env, cwd, pass_fds=()):
         from verl.utils.tracking import FileLogger
 
         monkeypatch.setenv("VERL_FILE_LOGGER_PATH", env["VERL_FILE_LOGGER_PATH"])

@@ -6,7 +6,8 @@ Every check here exists because the mistake it catches costs a multi-node job: i
 constraint that broke. The upstream rules (Megatron-Core, vLLM, verl, LoRA targets) live in
 ``moerl.verl_ext.constraints``; this module adds moerl's own and the capacity plan. The run itself is ``python -m verl.trainer.main_ppo`` with the composed
 overrides; verl starts Ray itself, or joins the cluster in ``RAY_ADDRESS`` (multi-node, see
-scripts/slurm_verl.sbatch).
+scripts/slurm_verl.sbatch). Before it starts, ``moerl.verl_ext.resume_check`` verifies what verl would
+resume (the same run, a complete step) and the run's lock is taken for the life of main_ppo.
 """
 from __future__ import annotations
 

@@ -31,3 +31,7 @@ def test_bench_experts_compiles_the_policy_and_measures_its_distance_from_eager(
     # a compiled product may reorder sums, never change the model: far below any mismatch the lab measures
     assert compiled["max_abs_logprob_difference"] < 1e-3 and compiled["max_relative_gradient_difference"] < 1e-2
     assert "moerl local + torch.compile" in result["median_s"]
+    # the compiler's best case: the same model without LoRA is one graph, and it is timed eager and compiled
+    plain = result["compiled_without_lora"]
+    assert plain["graphs"] == 1 and plain["graph_breaks"] == 0 and plain["ratio_to_eager"] > 0
+    assert {"no LoRA: eager", "no LoRA: torch.compile"} <= result["median_s"].keys()

@@ -147,6 +147,15 @@ def section_06(geometry: Path) -> str:
     return "\n".join(lines)
 
 
+def section_06_fits(geometry: Path) -> str:
+    """The ladders' fitted slopes and the extrapolation to each cluster model's real geometry and width."""
+    from moerl.analysis.geometry_report import load_points, predictions
+
+    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
+    df = load_points(geometry)
+    return "\n".join([*gf.fit_lines(df), "", *gf.prediction_lines(predictions(df))])
+
+
 # -- experiment 07 ---------------------------------------------------------------------------------
 def section_07(runs_root: Path) -> str:
     from moerl.analysis.dose import load_runs, mismatch_order, regime, threshold
@@ -175,7 +184,8 @@ SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
-    "06": (["README.md"], lambda results: section_06(results / "geometry")),
+    "06": (["README.md", "experiments/06_routing_geometry/README.md"], lambda results: section_06(results / "geometry")),
+    "06_fits": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_fits(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
 }
 

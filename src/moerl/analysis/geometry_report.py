@@ -160,7 +160,7 @@ def predict(anchor: pd.Series, fitted: dict, L: int, E: int, k: int, H: int, z: 
         return 1.0 - (1.0 - q) ** L
 
     t_draws = _t_draws(anchor, fitted, L, E, k, H, z)
-    shares = share(np.minimum(np.exp(t_draws), 1.0))
+    shares = share(np.exp(np.minimum(t_draws, 0.0)))  # p_l <= 1, without overflowing exp
     lo_t, hi_t = np.percentile(shares, [2.5, 97.5])
     return {"p": p, "p_lo": lo, "p_hi": hi, "share": share(p), "share_lo": share(lo), "share_hi": share(hi),
             "share_lo_t": float(lo_t), "share_hi_t": float(hi_t), "share_p94": float((shares >= PAPER_SHARE).mean()),
@@ -422,8 +422,11 @@ def figure_cluster_extrapolation(df: pd.DataFrame):
         r = anchor[a]
         return "" if r is None else f" ({r.point}: {r.L}x{r.E} top-{r.k}, h{r.H})"
 
-    # trained anchors move in depth along the SFT'd depth ladder when it was measured (see predictions)
-    depth = "; depth slope from the SFT'd depth ladder" if "depth_sft" in fits(df) else ""
+    # trained anchors move along the SFT'd depth and width ladders once they were measured (see predictions)
+    fitted = fits(df)
+    depth = "".join(text for key, text in (("depth_sft", "; depth slope from the SFT'd depth ladder"),
+                                           ("width_sft", "; width slope from the SFT'd width ladder"))
+                    if key in fitted)
 
     fig, ax = plt.subplots(figsize=(11, 6.8))
     y = np.arange(len(preds))

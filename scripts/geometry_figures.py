@@ -10,10 +10,12 @@ results/geometry/summary.md
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
 import matplotlib
+import pandas as pd
 
 matplotlib.use("Agg")
 
@@ -208,6 +210,35 @@ def claims_lines(df, preds) -> list[str]:
     return lines
 
 
+def gpu_width_lines(geometry) -> list[str]:
+    """The GPU width points (scripts/gpu_width_geometry.py) beside the CPU's trained point at the same
+    geometry, so the width trend and the device's effect read from one table."""
+    gpu_dir = Path(geometry) / "gpu"
+    if not any(gpu_dir.glob("gpu_*.json")):
+        return [f"No GPU point is recorded under `{gpu_dir}` (scripts/gpu_width_geometry.py writes them)."]
+    gpu = load_points(gpu_dir, pattern="gpu_*.json").sort_values("H")
+    cpu = load_points(geometry)
+    cpu = cpu[cpu.point.str.fullmatch(r"state_qwen3_warm400(_h\d+)?")].sort_values("H")  # the CPU width ladder, trained
+    run = json.loads((gpu_dir / "run.json").read_text()) if (gpu_dir / "run.json").exists() else {}
+    lines = ["| point | device, kernels | hidden | expert FFN | SFT steps | share re-routed [95 % CI] | "
+             "independence | mean p_l | k3 native | k3 with R3 | native / R3 [95 % CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, r in pd.concat([cpu, gpu]).iterrows():
+        steps = r.policy.get("warm_start", {}).get("steps") if isinstance(r.policy, dict) else None
+        lines.append(f"| `{r.point}` | {r.device}, {r.kernels} | {int(r.H)} | {int(r.F)} | {steps if steps is not None else '—'} | "
+                     f"{r.share:.1%} [{r.share_lo:.1%}, {r.share_hi:.1%}] | {r.independence:.1%} | "
+                     f"{r.p_mean:.4f} | {r.k3:.2e} | {r.k3_r3:.2e} | "
+                     f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] |")
+    dev = run.get("device", {})
+    if dev:
+        lines += ["", f"GPU run: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "
+                      f"{'on' if dev.get('tf32_matmul') else 'off'} for the fp32 trainer; {run.get('sft_steps')} "
+                      f"SFT steps chosen by the time guard ({run['calibration']['seconds_per_sft_step_at_widest']:.2f} s "
+                      f"a step at hidden {max(run.get('widths', [0]))}); {run.get('seconds_total', 0):.0f} s for "
+                      f"{len(run.get('points', []))} points."]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="results/geometry")
@@ -236,9 +267,12 @@ def main() -> None:
             f"Around the base ({BASE['L']} MoE layers x {BASE['E']} experts, top-{BASE['k']}, hidden {BASE['H']}): "
             "log p = log p_base + sum of b log(x / x_base), the >= 1 share by independence 1 - (1 - p)^L.", "",
             *fit_lines(df), "", "### Cluster geometries", "", *prediction_lines(preds), "",
-            f"Paper: {pct(PAPER_SHARE)} of tokens differ in >= 1 router on Qwen3-30B-A3B (R3 paper, arXiv 2510.11370)."]
+            f"Paper: {pct(PAPER_SHARE)} of tokens differ in >= 1 router on Qwen3-30B-A3B (R3 paper, arXiv 2510.11370).",
+            "", "### Trained routers at hidden 256-2048 on a GPU (`scripts/gpu_width_geometry.py`)", "",
+            *gpu_width_lines(args.points), "",
+            "![re-routed share against width, CPU and GPU points](geometry/gpu/gpu_width_share.png)"]
     Path(args.points, "summary.md").write_text("\n".join(["# Experiment 06: routing geometry (generated)", "",
-                                                           *[b.replace("](figures/", "](../figures/") for b in body]]) + "\n")
+                                                           *[b.replace("](figures/", "](../figures/").replace("](geometry/", "](") for b in body]]) + "\n")
     write_marked_section(args.results, "experiment 06", "scripts/geometry_figures.py", "\n".join([
         "## 06_routing_geometry", "",
         f"Written by `python scripts/geometry_figures.py` from the point JSONs in `{args.points}` "

@@ -52,7 +52,8 @@ EXPERIMENTS = [
      "experiments/04_moonlight_16b_a3b_r3/launch.sh --dry-run", "not executed (no GPU cluster)"),
     ("05_mismatch_consequences", "do the papers' claims (collapse, failing corrections, broken R3) hold?", "CPU",
      "experiments/05_mismatch_consequences/launch.sh --smoke", "[RESULTS](results/RESULTS.md#05_mismatch_consequences)"),
-    ("06_routing_geometry", "is the re-routed share a matter of depth, width and router state?", "CPU",
+    ("06_routing_geometry", "is the re-routed share a matter of depth, width and router state?",
+     "CPU (widths 256–2048: 1 GPU)",
      "experiments/06_routing_geometry/run.sh --smoke", "[RESULTS](results/RESULTS.md#06_routing_geometry)"),
     ("07_dose_threshold", "at what rollout precision does GRPO collapse; which mitigation moves it?", "CPU",
      "experiments/07_dose_threshold/launch.sh --smoke", "[RESULTS](results/RESULTS.md#07_dose_threshold)"),
@@ -156,6 +157,12 @@ def section_06_fits(geometry: Path) -> str:
     return "\n".join([*gf.fit_lines(df), "", *gf.prediction_lines(predictions(df))])
 
 
+def section_06_gpu(geometry: Path) -> str:
+    """The GPU width points beside the CPU's trained width ladder."""
+    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
+    return "\n".join(gf.gpu_width_lines(geometry))
+
+
 # -- experiment 07 ---------------------------------------------------------------------------------
 def section_07(runs_root: Path) -> str:
     from moerl.analysis.dose import load_runs, mismatch_order, regime, threshold
@@ -186,6 +193,7 @@ SECTIONS = {
     "05": (["README.md"], lambda results: section_05(results / "runs")),
     "06": (["README.md", "experiments/06_routing_geometry/README.md"], lambda results: section_06(results / "geometry")),
     "06_fits": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_fits(results / "geometry")),
+    "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
 }
 

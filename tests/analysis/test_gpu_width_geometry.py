@@ -171,3 +171,26 @@ def test_a_point_out_of_memory_is_recorded_and_the_next_one_runs(tmp_path, monke
     assert run["skipped"] == [{"name": "gpu_smoke_warm2_h64_f16",
                                "reason": "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"}]
     assert [p["name"] for p in run["points"]] == ["gpu_smoke_warm2_h32_f16"] and "calibration" not in run
+
+
+def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_ladder(tmp_path):
+    """RESULTS.md and the 06 README read the GPU points through one table: the CPU's trained width ladder
+    first, then each GPU point with its SFT steps, and the run's device; no GPU folder is one line."""
+    from tests_helpers import load_script
+
+    gf = load_script("scripts/geometry_figures.py", "moerl_geometry_figures_test")
+    lines = gf.gpu_width_lines(ROOT / "results" / "geometry")
+    rows = [line for line in lines if line.startswith("| `")]
+    names = [row.split("`")[1] for row in rows]
+    assert names[:4] == ["state_qwen3_warm400", "state_qwen3_warm400_h128", "state_qwen3_warm400_h256",
+                         "gpu_qwen3_warm100_h256_f128"]
+    assert names[-1] == "gpu_qwen3_warm100_h2048_f128"
+    recorded = json.loads((ROOT / "results/geometry/gpu/gpu_qwen3_warm100_h2048_f128.json").read_text())
+    share = recorded["results"]["bf16"]["all/share"]
+    assert f"| {share:.1%} [" in rows[-1] and "| NVIDIA H200, native | 2048 | 128 | 100 |" in rows[-1]
+    assert "| CPU, emulated | 256 | 128 | 400 |" in rows[2]
+    assert lines[-1].startswith("GPU run: NVIDIA H200, torch ")
+    empty = tmp_path / "geometry"
+    (empty / "gpu").mkdir(parents=True)
+    assert gf.gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "
+                                         "(scripts/gpu_width_geometry.py writes them)."]

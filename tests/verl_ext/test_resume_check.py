@@ -221,3 +221,31 @@ def test_the_fingerprint_never_reads_the_weight_shards(tmp_path):
     assert fp["base_model.weights"].startswith("2 safetensors files, 15 bytes, listing sha256 ")
     hub = resume_check.base_model_fingerprint("moonshotai/Kimi-K2-Instruct")
     assert hub["base_model.config_json"].startswith("not fingerprinted: moonshotai/Kimi-K2-Instruct")
+
+
+def test_a_start_over_moves_the_earlier_run_aside_so_a_later_relaunch_cannot_resume_it(run, capsys, monkeypatch):
+    """resume_mode=disable: verl leaves the earlier steps and tracker in place until its own saves, so a
+    start-over that dies before its first save, relaunched with resume_mode=auto, would load the earlier
+    run's step 5 under the new run's logs. The launcher moves the earlier files aside first."""
+    assert launch.main(RUNG) == 0  # the earlier run: steps 5, tracker, manifest
+    capsys.readouterr()
+    earlier = _files(run["dir"])
+    dry = launch.main(RUNG + ["trainer.resume_mode=disable", "--dry-run"])
+    out = capsys.readouterr().out
+    assert dry == 0 and _files(run["dir"]) == earlier  # a dry run moves nothing
+    assert "a launch moves its 3 earlier entries (global_step_5, latest_checkpointed_iteration.txt, moerl_run.json)" \
+           in out and "so a later resume_mode=auto relaunch cannot resume the earlier run" in out
+
+    def dies_before_its_first_save(cmd, env, cwd, pass_fds=()):
+        assert runlock.lock_holder(run["dir"]) == str(os.getpid())  # the folder kept its lock through the move
+        return 1
+
+    monkeypatch.setattr(launch.subprocess, "call", dies_before_its_first_save)
+    assert launch.main(RUNG + ["trainer.resume_mode=disable"]) == 1
+    out = capsys.readouterr().out
+    aside = [p for p in run["dir"].parent.iterdir() if p.name.startswith("04_rung1_seed0.before-")]
+    assert len(aside) == 1 and f"moved the earlier run's files from {run['dir']} aside to {aside[0]}" in out
+    assert {p.relative_to(aside[0]) for p in _files(aside[0])} == {p.relative_to(run["dir"]) for p in earlier}
+    assert sorted(p.name for p in run["dir"].iterdir()) == ["moerl_run.json"]  # only the new run's record
+    dry = launch.main(RUNG + ["--dry-run"])  # the relaunch with resume_mode=auto
+    assert dry == 0 and f"# checkpoints: {run['dir']}: starts from scratch" in capsys.readouterr().out

@@ -672,8 +672,11 @@ def main(argv: list[str] | None = None) -> int:
         except resume_check.ResumeRefused as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        moved = resume_check.move_earlier_run_aside(resume)
         resume.record_launch()
         _report(resume, env, dry_run=False)
+        if moved is not None:
+            print(f"# trainer.resume_mode=disable: moved the earlier run's files from {resume.run_dir} aside to {moved}")
         for log in (env.get(FILE_LOG_ENV), env.get(refit_log.ENV_PATH)):
             if log:  # verl's FileLogger opens its path without creating the folder
                 Path(log).parent.mkdir(parents=True, exist_ok=True)

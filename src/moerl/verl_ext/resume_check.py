@@ -160,6 +160,7 @@ class ResumeCheck:
     recorded: dict | None = None  # the manifest beside it, when it was compared
     adopted: bool = False  # resumed without a manifest because --adopt-checkpoint said so
     notes: list[str] = field(default_factory=list)
+    starts_over: bool = False  # trainer.resume_mode=disable: the earlier run's files move aside at launch
 
     @property
     def manifest(self) -> Path:
@@ -218,10 +219,13 @@ def inspect(cfg, arm: str | None = None, seed: int | None = None, adopt: bool = 
     mode = str(select(cfg, "trainer.resume_mode"))
     steps = _steps(run_dir)
     if mode == "disable":
-        if steps:
-            check.notes.append(f"trainer.resume_mode=disable: starts over in {run_dir}; its earlier "
-                               f"{', '.join(p.name for _, p in sorted(steps.items()))} stay until this run's saves "
-                               f"overwrite them")
+        check.starts_over = True
+        earlier = _entries(run_dir)
+        if earlier:
+            check.notes.append(f"trainer.resume_mode=disable: starts over in {run_dir}; a launch moves its "
+                               f"{len(earlier)} earlier entries ({', '.join(p.name for p in earlier[:4])}"
+                               f"{', ...' if len(earlier) > 4 else ''}) aside to {run_dir.name}.before-<UTC time>, "
+                               f"so a later resume_mode=auto relaunch cannot resume the earlier run")
         return check
     needed = files_verl_loads(cfg)
     if mode == "resume_path":
@@ -243,6 +247,34 @@ def inspect(cfg, arm: str | None = None, seed: int | None = None, adopt: bool = 
     check.resumes = step_dir
     _compare_identity(check, step_dir.parent / MANIFEST, adopt)
     return check
+
+
+def _entries(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+
+
+def move_earlier_run_aside(check: ResumeCheck, now: datetime | None = None) -> Path | None:
+    """Under ``trainer.resume_mode=disable``, move everything in the run's folder (steps, verl's tracker,
+    ``moerl_run.json``) into the sibling ``<run>.before-<UTC time>/``; return it (None: nothing to move).
+
+    verl 0.9.1 starting over leaves the earlier steps and ``latest_checkpointed_iteration.txt`` in place
+    until its own saves overwrite them, so a start-over that fails before its first save, relaunched
+    with ``resume_mode: auto``, would resume the earlier run's last step under the new run's logs. The
+    entries move one by one, not the folder: the launch holds a lock on the folder itself (moerl.runlock).
+    Call under that lock; nothing is deleted."""
+    if not check.starts_over:
+        return None
+    earlier = _entries(check.run_dir)
+    if not earlier:
+        return None
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    n = 0
+    while (dest := check.run_dir.with_name(f"{check.run_dir.name}.before-{stamp}" + (f"-{n}" if n else ""))).exists():
+        n += 1
+    dest.mkdir()
+    for entry in earlier:
+        entry.rename(dest / entry.name)  # same file system: atomic per entry
+    return dest
 
 
 def _tracked_step(run_dir: Path, steps: dict[int, Path], needed: list[str], check: ResumeCheck) -> Path | None:

@@ -59,6 +59,7 @@ STEP_CHOICES = (400, 300, 200, 100)
 POINT_OVERHEAD_S = 30.0  # build, evaluation and measurement per point, beside the SFT (planning only)
 PLAN_MARGIN = 1.15
 CALIBRATION_STEPS = (2, 5)  # untimed warm-up steps, timed steps
+SFT_LOG_EVERY_S = 30.0  # a point cut off by the call's time limit still shows how far its SFT got
 FIGURE = "gpu_width_share.png"
 RUN_RECORD = "run.json"  # not a point: point files are gpu_*.json
 
@@ -227,7 +228,7 @@ def run_point(name: str, cfg: ExperimentConfig, device: torch.device, rows, prom
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    policy, tokenizer, meta = supervised_warm_start(cfg, progress=False, device=device)
+    policy, tokenizer, meta = supervised_warm_start(cfg, progress=False, device=device, log_every_s=SFT_LOG_EVERY_S)
     synchronize(device)
     policy_seconds = time.perf_counter() - start
     results = {"bf16": measure(policy, tokenizer, cfg, rows[:prompts], dtype="bf16", seed=point.seed)}

@@ -53,3 +53,25 @@ def test_build_model_creates_the_weights_on_the_device_asked_for():
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     default, cpu = build_model(cfg, tokenizer, seed=3), build_model(cfg, tokenizer, seed=3, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), cpu.state_dict().values()))
+
+
+def test_a_warm_start_without_a_bar_logs_its_progress_when_asked(caplog):
+    """A borrowed GPU runs the SFT under a hard time limit with no bar: the log shows each step's rate and
+    what is left, so a point cut off by the limit still says how far it got; the weights are unchanged."""
+    import logging
+
+    cfg = load_config("experiments/00_tiny_moe_cpu/base.yaml", TINY)
+    with caplog.at_level(logging.INFO, logger="moerl.trainer.warm_start"):
+        model, _, _ = supervised_warm_start(cfg, progress=False, log_every_s=0.0)
+    lines = [r.getMessage() for r in caplog.records]
+    steps = [line for line in lines if line.startswith("warm start: step ")]
+    assert [line.split(",")[0] for line in steps] == [f"warm start: step {k} of 4" for k in (1, 2, 3, 4)]
+    assert all(" s a step, about " in line for line in steps)
+    assert any(line.startswith("warm start: 4 steps in ") and "evaluating on 4 held-out prompts" in line
+               for line in lines)
+    reference = reference_sft(cfg).state_dict()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moerl.trainer.warm_start"):
+        supervised_warm_start(cfg, progress=False)  # not asked: no step lines (a sweep's log stays short)
+    assert not [r for r in caplog.records if r.getMessage().startswith("warm start: step ")]

@@ -136,11 +136,12 @@ def sft_optimizer(model, cfg: ExperimentConfig):
 
 
 def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: str | torch.device = "cpu",
-                          progress_file: Path | None = None):
+                          progress_file: Path | None = None, log_every_s: float | None = None):
     """(trained fp32 model, tokenizer, meta): the warm start's SFT from random init and its evaluation by the
     rollout engine, on ``device``, nothing written but ``progress_file``. With it, progress is saved there every
     ``PROGRESS_EVERY_SECONDS`` and a saved SFT of the same key is continued (``train_warm_start``, which saves
-    the result to the cache); a caller on a borrowed GPU passes none and keeps the model in memory."""
+    the result to the cache); a caller on a borrowed GPU passes none and keeps the model in memory, and
+    ``log_every_s`` so that a run cut off by its time limit still shows how far the SFT got."""
     from tqdm import tqdm
 
     from moerl import faults
@@ -157,7 +158,7 @@ def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: 
     key = warm_start_key(cfg)
     done, earlier = (0, 0.0) if progress_file is None else _load_progress(progress_file, key, steps, model, opt,
                                                                          sched, rng)
-    start = last_save = time.time()
+    start = last_save = last_log = time.time()
     bar = tqdm(range(done, steps), initial=done, total=steps, desc="warm start (SFT)", disable=not progress)
     for step in bar:
         batch = sft_batch(rng.sample(train_rows, cfg.warm_start.batch_size), tokenizer, cfg.data.task)
@@ -171,6 +172,11 @@ def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: 
                 rate = (last_save - start) / (step + 1 - done)
                 log.info("warm start: step %d of %d saved, loss %.3f, about %.0f min to go", step + 1, steps,
                          loss.item(), rate * (steps - step - 1) / 60)
+        if log_every_s is not None and not progress and time.time() - last_log >= log_every_s:
+            last_log = time.time()
+            rate = (last_log - start) / (step + 1 - done)
+            log.info("warm start: step %d of %d, loss %.3f, %.3f s a step, about %.0f s to go", step + 1, steps,
+                     loss.item(), rate, rate * (steps - step - 1))
     model.config.output_router_logits = False
     seconds = earlier + time.time() - start
     del opt, sched  # the optimiser state (twice the weights) is not needed to evaluate
@@ -178,6 +184,8 @@ def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: 
 
     from moerl.rollout.hf import HFEngine  # evaluation by the rollout engine, as in GRPO
 
+    if log_every_s is not None:
+        log.info("warm start: %d steps in %.0f s; evaluating on %d held-out prompts", steps, seconds, len(test_rows))
     accuracy = evaluate_policy(HFEngine(model, tokenizer, cfg.rollout, cfg.data.task), test_rows, seed=cfg.data.seed)
     meta = {"key": key, "train_seconds": round(seconds, 1), "steps": steps,
             "test_accuracy": accuracy, "rollout_dtype": cfg.rollout.dtype,

@@ -229,6 +229,18 @@ def gpu_width_lines(geometry) -> list[str]:
                      f"{r.share:.1%} [{r.share_lo:.1%}, {r.share_hi:.1%}] | {r.independence:.1%} | "
                      f"{r.p_mean:.4f} | {r.k3:.2e} | {r.k3_r3:.2e} | "
                      f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] |")
+    widest = gpu.iloc[-1]
+    preds = predictions(load_points(geometry))
+    qwen3 = preds[(preds.L == widest.L) & (preds.E == widest.E) & (preds.k == widest.k) & (preds.H == widest.H)]
+    if len(qwen3) and qwen3.iloc[0].get("sft_real_share") == qwen3.iloc[0].get("sft_real_share"):
+        q = qwen3.iloc[0]
+        inside = q.sft_real_share_lo <= widest.share <= q.sft_real_share_hi
+        lines += ["", f"At {q.model}'s real width (hidden {int(widest.H)}) the CPU's extrapolation from the base after "
+                      f"a short SFT predicted {pct(q.sft_real_share, q.sft_real_share_lo, q.sft_real_share_hi)} "
+                      f"(p_l {q.sft_real_p:.3g}); the GPU measured {pct(widest.share, widest.share_lo, widest.share_hi)} "
+                      f"(mean p_l {widest.p_mean:.3g}), {'inside' if inside else 'outside'} that interval, and with an "
+                      f"interval {(q.sft_real_share_hi - q.sft_real_share_lo) / (widest.share_hi - widest.share_lo):.0f}x "
+                      f"narrower than the prediction's."]
     dev = run.get("device", {})
     if dev:
         lines += ["", f"GPU run: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "

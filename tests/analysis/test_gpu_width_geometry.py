@@ -190,6 +190,9 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     assert f"| {share:.1%} [" in rows[-1] and "| NVIDIA H200, native | 2048 | 128 | 100 |" in rows[-1]
     assert "| CPU, emulated | 256 | 128 | 400 |" in rows[2]
     assert lines[-1].startswith("GPU run: NVIDIA H200, torch ")
+    verdict = [line for line in lines if line.startswith("At Qwen3-30B-A3B's real width (hidden 2048)")]
+    assert len(verdict) == 1
+    assert f"the GPU measured {100 * share:.1f} % [" in verdict[0] and "inside that interval" in verdict[0]
     empty = tmp_path / "geometry"
     (empty / "gpu").mkdir(parents=True)
     assert gf.gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "

@@ -99,3 +99,15 @@ def test_a_run_is_found_under_every_spelling_of_its_overrides(written):
     from moerl.analysis.results import run_names
 
     assert "baseline+rollout.dtype-nvfp4_experts+trainer.eval_samples-8" in run_names(written, "07_dose_threshold")
+
+
+def test_geometry_answer_states_the_widest_gpu_point_against_the_paper():
+    preds = pd.DataFrame([{"model": "Qwen3-30B-A3B", "L": 48, "E": 128, "k": 8, "H": 2048, "measured_share": 0.997,
+                           "sft_real_share": 0.57}])
+    gpu = pd.DataFrame([{"device": "NVIDIA H200", "L": 48, "E": 128, "k": 8, "H": h, "share": s, "share_lo": s - 0.01,
+                         "share_hi": s + 0.01} for h, s in ((256, 0.72), (2048, 0.738))])
+    text = answers.geometry(preds, 0.94, gpu)
+    assert ("Measured on NVIDIA H200 with trained routers at Qwen3-30B-A3B's real width (hidden 2048): "
+            "73.8 % [72.8 %, 74.8 %], below the paper's 94.0 %.") in text
+    assert "Measured on" not in answers.geometry(preds, 0.94)  # no GPU points: nothing said of them
+    assert "at or above the paper's" in answers.geometry(preds, 0.7, gpu)

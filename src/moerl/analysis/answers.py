@@ -177,9 +177,10 @@ def consequences(claim_list, collapses: dict[tuple[str, int], int | None]) -> st
             + f", of {len(runs)} arms.")
 
 
-def geometry(preds: pd.DataFrame, paper: float) -> str:
+def geometry(preds: pd.DataFrame, paper: float, gpu: pd.DataFrame | None = None) -> str:
     """Notebook 07: the measured share of tokens re-routed in >= 1 MoE layer at each cluster geometry,
-    against the paper's figure, and the extrapolations to the real width that bracket it."""
+    against the paper's figure, and the extrapolations to the real width that bracket it; with ``gpu``
+    (scripts/gpu_width_geometry.py's points), what trained routers measured at the widest GPU point."""
     parts = []
     for _, r in preds.iterrows():
         text = f"{r['model']}: measured {_pct(r.get('measured_share', np.nan))}"
@@ -194,6 +195,13 @@ def geometry(preds: pd.DataFrame, paper: float) -> str:
         verdict = (f" Measured at hidden 64 with random routers, the share reaches the paper's {_pct(paper)} at "
                    f"{above} of {len(measured)} cluster geometries: the routing geometry (MoE layers × experts, "
                    "top-k) " + ("can" if above else "does not") + " by itself give a share that large at CPU width.")
+    if gpu is not None and len(gpu):
+        w = gpu.sort_values("H").iloc[-1]
+        same = preds[(preds.L == w.L) & (preds.E == w.E) & (preds.k == w.k) & (preds.H == w.H)]
+        where = f"{same.iloc[0]['model']}'s real width" if len(same) else f"{int(w.L)} x {int(w.E)}, top-{int(w.k)}"
+        verdict += (f" Measured on {w.device} with trained routers at {where} (hidden {int(w.H)}): "
+                    f"{_pct(w.share)} [{_pct(w.share_lo)}, {_pct(w.share_hi)}], "
+                    + ("at or above" if w.share >= paper else "below") + f" the paper's {_pct(paper)}.")
     return HEAD + "share of tokens with ≥ 1 re-routed MoE layer — " + "; ".join(parts) + "." + verdict
 
 

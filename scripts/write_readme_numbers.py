@@ -53,7 +53,7 @@ EXPERIMENTS = [
     ("05_mismatch_consequences", "do the papers' claims (collapse, failing corrections, broken R3) hold?", "CPU",
      "experiments/05_mismatch_consequences/launch.sh --smoke", "[RESULTS](results/RESULTS.md#05_mismatch_consequences)"),
     ("06_routing_geometry", "is the re-routed share a matter of depth, width and router state?",
-     "CPU (widths 256–2048: 1 GPU)",
+     "CPU (+ 1 GPU)",
      "experiments/06_routing_geometry/run.sh --smoke", "[RESULTS](results/RESULTS.md#06_routing_geometry)"),
     ("07_dose_threshold", "at what rollout precision does GRPO collapse; which mitigation moves it?", "CPU",
      "experiments/07_dose_threshold/launch.sh --smoke", "[RESULTS](results/RESULTS.md#07_dose_threshold)"),

@@ -21,7 +21,6 @@ import argparse
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -221,7 +220,8 @@ def main(argv: list[str] | None = None) -> Path:
             sys.exit(f"write_results: {err}")
         sections.append(render(exp_dir, runs, load_sweep(exp_dir), args.figures or None))
     command = "python scripts/write_results.py " + " ".join(args.experiment_dirs)
-    text = "\n".join(["# Results", "", f"Written by `{command}` on {time.strftime('%Y-%m-%d')}.", ""] + sections)
+    # No date of writing: the file is tracked, and unchanged runs must regenerate it byte for byte.
+    text = "\n".join(["# Results", "", f"Written by `{command}`.", ""] + sections)
     out = Path(args.out)
     kept = kept_sections(out.read_text()) if out.exists() else []
     text = "\n".join([text.rstrip("\n"), *kept]) + "\n" if kept else text

@@ -226,3 +226,20 @@ def test_write_results_keeps_another_scripts_marked_section(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     assert text.count(section) == 1 and "stale text" not in text and text.rstrip().endswith(section)
+
+
+def test_write_results_is_the_same_bytes_on_another_day(tmp_path, monkeypatch):
+    """RESULTS.md is tracked: regenerating it from unchanged runs must not rewrite it (no date of writing)."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("write_results_script", REPO / "scripts" / "write_results.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(REPO)
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    script.main([str(FIXTURE / EXP), "--out", str(first)])
+    real_strftime = time.strftime
+    monkeypatch.setattr(time, "strftime", lambda fmt, t=None: real_strftime(fmt, t or time.gmtime(0)))
+    script.main([str(FIXTURE / EXP), "--out", str(second)])
+    assert first.read_bytes() == second.read_bytes()

@@ -233,7 +233,7 @@ def thresholds_markdown(t: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def thresholds_figure(t: dict, path: Path) -> None:
+def thresholds_figure(t: dict, path: Path) -> Path | None:
     """One question: at which rung does each arm collapse? Cells: seeds collapsed / finished, shaded by
     the share; each row's label carries the arm's threshold and how it moves the baseline's."""
     import matplotlib
@@ -242,7 +242,7 @@ def thresholds_figure(t: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     if not t["rungs"]:
-        return
+        return None
     arms, rungs = list(t["arms"]), t["rungs"]
     fig, ax = plt.subplots(figsize=(max(7.6, 4.6 + 1.8 * len(rungs)), 0.62 * len(arms) + 1.9))
     share = [[(lambda k, n: k / n if n else float("nan"))(*t["arms"][a]["collapsed"][r]) for r in rungs] for a in arms]
@@ -268,7 +268,7 @@ def thresholds_figure(t: dict, path: Path) -> None:
                     "registered): thresholds shown ungated, their verdicts 'not tested'"),
                  fontsize=10, color="k" if t.get("regime", True) else "tab:red")
     fig.tight_layout()
-    save(fig, path)
+    return save(fig, path)
 
 
 def _provisional(verdict: dict) -> str:
@@ -564,7 +564,7 @@ def power_plan(table: dict[str, dict]) -> str:
         "seeds registered | power registered (upper sd) |", "|---|---|---|---|---|---|---|", *rows, ""])
 
 
-def figure(runs: list[dict], path: Path) -> None:
+def figure(runs: list[dict], path: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -608,10 +608,10 @@ def figure(runs: list[dict], path: Path) -> None:
     fig.suptitle(f"Experiment 07: dose ladder, uncorrected arm (seed 0 per rung)\n{'; '.join(setups)}; "
                  f"{', '.join(map(str, steps))} GRPO steps", fontsize=10)
     fig.tight_layout()
-    save(fig, path)
+    return save(fig, path)
 
 
-def mitigation_figure(table: dict[str, dict], path: Path) -> None:
+def mitigation_figure(table: dict[str, dict], path: Path) -> Path | None:
     """One question: at each rung of the main grid, which arm ends where the control ends? Per arm, each
     seed's final held-out pass@1 minus the control's of the same seed (0 = trains like the control)."""
     import matplotlib
@@ -620,7 +620,7 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     if not table:
-        return
+        return None
     fig, axes = plt.subplots(1, len(table), figsize=(max(8.0, 6.8 * len(table)), 4.8), sharey=True, squeeze=False)
     for ax, (rung, g) in zip(axes[0], table.items()):
         names = ["baseline"] + list(g["arms"])
@@ -647,10 +647,10 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> None:
                  "each seed's final held-out pass@1 (fp32 evaluator) minus the control's of the same seed; dots: seeds, "
                  "bar: mean; under each arm: its verdict, marked where gated, post hoc or provisional", fontsize=10)
     fig.tight_layout()
-    save(fig, path)
+    return save(fig, path)
 
 
-def dynamics_figure(runs: list[dict], path: Path) -> None:
+def dynamics_figure(runs: list[dict], path: Path) -> Path | None:
     """One question: does the mismatch grow before the uncorrected run collapses? Per rung (seed 0), the
     per-step k3 of the rollout against the fp32 trainer (25-step rolling median) along training, with the
     collapse step marked."""
@@ -663,7 +663,7 @@ def dynamics_figure(runs: list[dict], path: Path) -> None:
     ladder, _ = ladder_rows(runs)
     rungs = [r for r in mismatch_order(ladder) if r != "fp32"]
     if not rungs:
-        return
+        return None
     fig, ax = plt.subplots(figsize=(8.5, 4.4))
     colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(rungs)))
     for rung, colour in zip(rungs, colours):
@@ -679,7 +679,7 @@ def dynamics_figure(runs: list[dict], path: Path) -> None:
                  "dotted: collapse step; the fp32 control's k3 is 0 up to round-off)", fontsize=10)
     ax.legend(title="rollout", fontsize=8)
     fig.tight_layout()
-    save(fig, path)
+    return save(fig, path)
 
 
 def pilot_rows(dirs: list[Path]) -> str:
@@ -740,10 +740,8 @@ def main() -> None:
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
                                                 default=str) + "\n")
-    figure(runs, Path(args.figure))
-    mitigation_figure(table, Path(args.mitigation_figure))
-    dynamics_figure(runs, Path(args.dynamics_figure))
-    thresholds_figure(shifts, Path(args.threshold_figure))
+    drawn = [figure(runs, Path(args.figure)), mitigation_figure(table, Path(args.mitigation_figure)),
+             dynamics_figure(runs, Path(args.dynamics_figure)), thresholds_figure(shifts, Path(args.threshold_figure))]
     if args.results:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",
@@ -755,8 +753,8 @@ def main() -> None:
             "![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""]
             + (["![mitigations](figures/07_mitigations.png)", "",
                 "![threshold by arm](figures/07_threshold_by_arm.png)", ""] if table else [])))
-    print(text + f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {args.figure}"
-          + (f", {args.mitigation_figure}, {args.threshold_figure}" if table else ""))
+    written = [out / "ladder.md", out / "ladder.json", *(p for p in drawn if p)] + ([args.results] if args.results else [])
+    print(text + "wrote " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def write_run(root, arm, rung, seed, pass1_end, k3, extra=None, collapse=False, 
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
+def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch, capsys):
     runs = tmp_path / "runs"
     for seed, (control, base, tis, r3) in enumerate([(0.68, 0.40, 0.60, 0.66), (0.67, 0.42, 0.45, 0.65),
                                                      (0.70, 0.35, 0.30, 0.69)]):
@@ -59,6 +59,10 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch):
                                      "--dynamics-figure", str(tmp_path / "dyn.png"),
                                          "--threshold-figure", str(tmp_path / "thr.png")])
     report.main()
+    # the closing line names every file the report wrote: the four figures and the RESULTS section too
+    wrote = capsys.readouterr().out.splitlines()[-1]
+    assert wrote == (f"wrote {out / 'ladder.md'}, {out / 'ladder.json'}, {fig}, {tmp_path / 'mit.png'}, "
+                     f"{tmp_path / 'dyn.png'}, {tmp_path / 'thr.png'}, {tmp_path / 'R.md'}")
     text = (out / "ladder.md").read_text()
     assert "seed 0: pass@1 0.550 → 0.680 at step 60 (learns by the rule)" in text
     assert "Threshold (lowest rung in mismatch order whose uncorrected run collapses while the control learns): **int4**" in text

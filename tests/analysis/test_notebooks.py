@@ -45,6 +45,10 @@ def test_notebooks_exist_and_are_stripped():
         for cell in nb.cells:
             if cell.cell_type == "code":
                 assert not cell.outputs and cell.execution_count is None, f"{path}: outputs not stripped"
+        # nbformat 4.5 requires a cell id (nbformat.read only warns, and adds a random one on every read)
+        raw = json.loads(path.read_text())
+        missing = [i for i, cell in enumerate(raw["cells"]) if "id" not in cell]
+        assert (raw["nbformat"], raw["nbformat_minor"]) < (4, 5) or not missing, f"{path}: cells {missing} have no id"
 
 
 def _execute(path: Path, kernel_name: str) -> list:

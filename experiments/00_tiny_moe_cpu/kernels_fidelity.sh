@@ -3,7 +3,8 @@
 #   1. emulated kernels                      -> results/kernels/runs/emulated/
 #   2. native kernels under ONEDNN_MAX_CPU_ISA=AVX2 (what an AVX2-only CPU runs) -> results/kernels/runs/native_avx2/
 #   3. emulated kernels under ONEDNN_MAX_CPU_ISA=AVX2 (must reproduce 1)          -> results/kernels/runs/emulated_avx2/
-# The native runs at the default ISA are the recorded ablation (results/runs/00_tiny_moe_cpu/). Resumable:
+# The native runs at the default ISA are experiment 00's earlier (native-kernel) recording of these arms, kept in
+# results/kernels/runs/native/ (the recorded ablation in results/runs/ is now emulated). Resumable:
 # finished runs are skipped. Then: python scripts/kernel_fidelity.py (the table, and the logprob-level check).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -8,6 +8,7 @@ median/max, non-finite updates, the collapse step (moerl.analysis.collapse) and 
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import sys
@@ -59,10 +60,22 @@ def markdown_row(s: dict) -> str:
             f"{s['pass1_initial']:.3f} → {s['pass1_final']:.3f} |")
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--markdown", action="store_true", help="a table row per run (default: a JSON object per run)")
+    ap.add_argument("pilots", nargs="+", help="pilot directories, e.g. runs/pilots/<name> or results/pilots/05_*")
+    args = ap.parse_args(argv)
+    # every directory is checked before a row is printed: a mistyped one is named, not skipped in silence
+    found = {arg: sorted(Path(arg).rglob("metrics.jsonl*")) for arg in args.pilots}
+    for arg, metrics in found.items():
+        if not metrics:
+            sys.exit(f"pilot_table: {arg}: no metrics.jsonl or metrics.jsonl.gz under it (expected a pilot "
+                     "directory written by pilots.sh, or an archived one in results/pilots/)")
+    for arg, metrics in found.items():
+        for path in metrics:
+            s = summarise(path.parent, Path(arg).name)
+            print(markdown_row(s) if args.markdown else json.dumps(s))
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    markdown = "--markdown" in args
-    for arg in [a for a in args if a != "--markdown"]:
-        for metrics in sorted(Path(arg).rglob("metrics.jsonl*")):
-            s = summarise(metrics.parent, Path(arg).name)
-            print(markdown_row(s) if markdown else json.dumps(s))
+    main()

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("experiments/*/README.md"),
-               *ROOT.glob("results/*.md")])
+               ROOT / "analysis" / "README.md", *ROOT.glob("results/*.md")])
 PYTHON = r"(?:python3?|\.venv[\w-]*/bin/python|\$PY(?:THON)?)"
 SCRIPT = re.compile(PYTHON + r"\s+((?:scripts|benchmarks|experiments)/[\w/.-]+\.py)([^`\n|]*)")
 SHELL = re.compile(r"(?:bash\s+|\./)((?:scripts|experiments|benchmarks|\.ci)/[\w/.-]+\.(?:sh|sbatch)|\.ci/run)")

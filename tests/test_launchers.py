@@ -103,3 +103,24 @@ def test_cluster_launchers_use_the_chosen_python(experiment, fake_python):
     done = launch(f"experiments/{experiment}/launch.sh", "--dry-run", python=python)
     assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines()[-1] == f"-m moerl.verl_ext.launch experiments/{experiment} --dry-run"
+
+
+def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python):
+    """After the README's set-up (.venv, no PYTHON), a cluster launcher's --dry-run runs on the checkout's
+    .venv when python3 has no moerl; before, it stopped with "moerl is not installed"."""
+    python, log = fake_python
+    experiment = CLUSTER[-1]
+    (tmp_path / "experiments" / experiment).mkdir(parents=True)
+    (tmp_path / "experiments" / experiment / "launch.sh").write_text(
+        (REPO / "experiments" / experiment / "launch.sh").read_text())
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(python)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")  # a system python3 without moerl
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(tmp_path / "experiments" / experiment / "launch.sh"), "--dry-run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "launch.sh: python3 has no moerl; using .venv/bin/python (set PYTHON to choose another)"
+    assert log.read_text().splitlines()[-1] == f"-m moerl.verl_ext.launch experiments/{experiment} --dry-run"

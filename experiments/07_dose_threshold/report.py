@@ -749,8 +749,8 @@ def main() -> None:
             "(rules: `src/moerl/analysis/dose.py`, `src/moerl/analysis/verdicts.py`; regime and commands: "
             "`experiments/07_dose_threshold/README.md`). Held-out pass@1 is measured by the trained policy in fp32 "
             "for every arm; rollouts use the emulated kernels.", "", text,
-            "![dose ladder](figures/07_dose_ladder.png)", "",
-            "![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""]
+            "![dose ladder](figures/07_dose_ladder.png)", ""]
+            + (["![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""] if drawn[2] else [])
             + (["![mitigations](figures/07_mitigations.png)", "",
                 "![threshold by arm](figures/07_threshold_by_arm.png)", ""] if table else [])))
     written = [out / "ladder.md", out / "ladder.json", *(p for p in drawn if p)] + ([args.results] if args.results else [])

@@ -87,6 +87,7 @@ def test_report_writes_ladder_grid_and_figure(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "dyn.png").stat().st_size > 10_000
     results = (tmp_path / "R.md").read_text()
     assert "<!-- experiment 07: begin (experiments/07_dose_threshold/report.py) -->" in results
+    assert "![mismatch before the collapse](figures/07_mismatch_before_collapse.png)" in results
     assert "| uncorrected GRPO on an MoE collapses | R3 paper (arXiv 2510.11370) | the uncorrected run collapses from rung int4" in results
     assert ("| masking IS (MIS / IcePop) discards ever more samples, eventually halting training (rung int4) | "
             "Mind Lab R3 blog; verl rollout-correction docs | geo_mis_0p1pct: masked 70.00% of tokens") in results
@@ -109,3 +110,19 @@ def test_masking_yes_on_the_level_says_when_the_share_did_not_fall():
     assert "did not fall" in report.masking_trend_caveat(rising, "yes")
     assert report.masking_trend_caveat(falling, "yes") == ""
     assert report.masking_trend_caveat(rising, "no") == ""
+
+
+def test_report_links_only_the_figures_it_drew(tmp_path, monkeypatch, capsys):
+    """With the control's runs alone there is no rung to draw the before-collapse figure for: RESULTS.md
+    must not link a figure the report did not write."""
+    runs = tmp_path / "runs"
+    for seed in range(3):
+        write_run(runs, "fp32_control", "fp32", seed, 0.68, 0.0)
+    monkeypatch.setattr(sys, "argv", ["report.py", "--runs", str(runs), "--out", str(tmp_path / "out"),
+                                     "--figure", str(tmp_path / "fig.png"), "--mitigation-figure", str(tmp_path / "mit.png"),
+                                     "--dynamics-figure", str(tmp_path / "dyn.png"),
+                                     "--threshold-figure", str(tmp_path / "thr.png"), "--results", str(tmp_path / "R.md")])
+    report.main()
+    assert not (tmp_path / "dyn.png").exists()
+    assert "07_mismatch_before_collapse.png" not in (tmp_path / "R.md").read_text()
+    assert str(tmp_path / "dyn.png") not in capsys.readouterr().out.splitlines()[-1]

@@ -217,8 +217,8 @@ def gpu_width_lines(geometry) -> list[str]:
     if not any(gpu_dir.glob("gpu_*.json")):
         return [f"No GPU point is recorded under `{gpu_dir}` (scripts/gpu_width_geometry.py writes them)."]
     gpu = load_points(gpu_dir, pattern="gpu_*.json").sort_values("H")
-    cpu = load_points(geometry)
-    cpu = cpu[cpu.point.str.fullmatch(r"state_qwen3_warm400(_h\d+)?")].sort_values("H")  # the CPU width ladder, trained
+    every_cpu_point = load_points(geometry)
+    cpu = every_cpu_point[every_cpu_point.point.str.fullmatch(r"state_qwen3_warm400(_h\d+)?")].sort_values("H")  # trained ladder
     run = json.loads((gpu_dir / "run.json").read_text()) if (gpu_dir / "run.json").exists() else {}
     lines = ["| point | device, kernels | hidden | expert FFN | SFT steps | share re-routed [95 % CI] | "
              "independence | mean p_l | k3 native | k3 with R3 | native / R3 [95 % CI] |",
@@ -230,7 +230,7 @@ def gpu_width_lines(geometry) -> list[str]:
                      f"{r.p_mean:.4f} | {r.k3:.2e} | {r.k3_r3:.2e} | "
                      f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] |")
     widest = gpu.iloc[-1]
-    preds = predictions(load_points(geometry))
+    preds = predictions(every_cpu_point)
     qwen3 = preds[(preds.L == widest.L) & (preds.E == widest.E) & (preds.k == widest.k) & (preds.H == widest.H)]
     if len(qwen3) and qwen3.iloc[0].get("sft_real_share") == qwen3.iloc[0].get("sft_real_share"):
         q = qwen3.iloc[0]

@@ -19,7 +19,7 @@ import pandas as pd
 
 matplotlib.use("Agg")
 
-from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
+from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, gpu_reference_point, figure_cluster_extrapolation, figure_flip_along_stack,
                                    figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
                                    sft_depth, sft_width)
 from moerl.analysis.results import write_marked_section
@@ -202,6 +202,12 @@ def claims_lines(df, preds) -> list[str]:
         verdict = "**yes**" if sft and len(at_paper) == len(sft) else "**partly**" if somewhere else "**not shown**"
         if not any(r.F2 > 0.001 for r in trained):
             verdict += " (for k3; too few tokens beyond ratio 2 to test the 10x)"
+        wider = sft_width(df)
+        wider = wider[wider.H > BASE["H"]]
+        if len(wider):  # the rule names the base's width; say what the wider trained points show beside it
+            verdict += (f"; at hidden {BASE['H']} only (k3 ratio " + ", ".join(
+                f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] at {int(r.H)}"
+                for _, r in wider.iterrows()) + ")")
         rows.append(("R3 cuts the mismatch (tokens with ratio > 2 drop ~10x)", "~10x (R3 paper)", txt, verdict,
                      "yes: the paired k3 ratio's interval (sequences resampled) lies above 1 at the paper's geometry "
                      "(the SFT'd base); partly: at some trained point; not shown: at none (one batch per point)"))
@@ -212,24 +218,27 @@ def claims_lines(df, preds) -> list[str]:
 
 def gpu_width_lines(geometry) -> list[str]:
     """The GPU width points (scripts/gpu_width_geometry.py) beside the CPU's trained point at the same
-    geometry, so the width trend and the device's effect read from one table."""
+    geometry, so the width trend, the SFT length's and the device's effects read from one table; then
+    what they measure, in numbers computed here (no rule judges these points), and one line per GPU call."""
     gpu_dir = Path(geometry) / "gpu"
     if not any(gpu_dir.glob("gpu_*.json")):
         return [f"No GPU point is recorded under `{gpu_dir}` (scripts/gpu_width_geometry.py writes them)."]
-    gpu = load_points(gpu_dir, pattern="gpu_*.json").sort_values("H")
+    gpu = load_points(gpu_dir, pattern="gpu_*.json")
+    gpu = gpu[gpu.rollout == "bf16"].sort_values(["sft_steps", "H"])  # one width ladder per SFT length
     every_cpu_point = load_points(geometry)
-    cpu = every_cpu_point[every_cpu_point.point.str.fullmatch(r"state_qwen3_warm400(_h\d+)?")].sort_values("H")  # trained ladder
-    run = json.loads((gpu_dir / "run.json").read_text()) if (gpu_dir / "run.json").exists() else {}
-    lines = ["| point | device, kernels | hidden | expert FFN | SFT steps | share re-routed [95 % CI] | "
-             "independence | mean p_l | k3 native | k3 with R3 | native / R3 [95 % CI] |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cpu = every_cpu_point[every_cpu_point.point.str.fullmatch(r"state_qwen3_warm400(_h\d+)?")
+                          & (every_cpu_point.rollout == "bf16")].sort_values("H")  # the trained ladder
+    lines = ["| point | device, kernels | hidden | expert FFN | SFT steps | SFT's held-out pass@1 | "
+             "share re-routed [95 % CI] | independence | mean p_l | k3 native | k3 with R3 | native / R3 [95 % CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in pd.concat([cpu, gpu]).iterrows():
-        steps = r.policy.get("warm_start", {}).get("steps") if isinstance(r.policy, dict) else None
-        lines.append(f"| `{r.point}` | {r.device}, {r.kernels} | {int(r.H)} | {int(r.F)} | {steps if steps is not None else '—'} | "
+        steps = "—" if r.sft_steps != r.sft_steps or r.sft_steps is None else f"{r.sft_steps:.0f}"
+        pass1 = "—" if r.sft_pass1 != r.sft_pass1 or r.sft_pass1 is None else f"{r.sft_pass1:.3f}"
+        lines.append(f"| `{r.point}` | {r.device}, {r.kernels} | {int(r.H)} | {int(r.F)} | {steps} | {pass1} | "
                      f"{r.share:.1%} [{r.share_lo:.1%}, {r.share_hi:.1%}] | {r.independence:.1%} | "
                      f"{r.p_mean:.4f} | {r.k3:.2e} | {r.k3_r3:.2e} | "
                      f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] |")
-    widest = gpu.iloc[-1]
+    widest = gpu_reference_point(gpu)
     preds = predictions(every_cpu_point)
     qwen3 = preds[(preds.L == widest.L) & (preds.E == widest.E) & (preds.k == widest.k) & (preds.H == widest.H)]
     if len(qwen3) and qwen3.iloc[0].get("sft_real_share") == qwen3.iloc[0].get("sft_real_share"):
@@ -238,17 +247,52 @@ def gpu_width_lines(geometry) -> list[str]:
         lines += ["", f"At {q.model}'s real width (hidden {int(widest.H)}) the CPU's extrapolation from the base after "
                       f"a short SFT predicted {pct(q.sft_real_share, q.sft_real_share_lo, q.sft_real_share_hi)} "
                       f"(p_l {q.sft_real_p:.3g}); the GPU measured {pct(widest.share, widest.share_lo, widest.share_hi)} "
-                      f"(mean p_l {widest.p_mean:.3g}), {'inside' if inside else 'outside'} that interval, and with an "
-                      f"interval {(q.sft_real_share_hi - q.sft_real_share_lo) / (widest.share_hi - widest.share_lo):.0f}x "
+                      f"(mean p_l {widest.p_mean:.3g}, `{widest.point}`), {'inside' if inside else 'outside'} that "
+                      f"interval, and with an interval "
+                      f"{(q.sft_real_share_hi - q.sft_real_share_lo) / (widest.share_hi - widest.share_lo):.0f}x "
                       f"narrower than the prediction's."]
-    dev = run.get("device", {})
-    if dev:
-        lines += ["", f"GPU run: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "
-                      f"{'on' if dev.get('tf32_matmul') else 'off'} for the fp32 trainer; {run.get('sft_steps')} "
-                      f"SFT steps chosen by the time guard ({run['calibration']['seconds_per_sft_step_at_widest']:.2f} s "
-                      f"a step at hidden {max(run.get('widths', [0]))}); {run.get('seconds_total', 0):.0f} s for "
-                      f"{len(run.get('points', []))} points."]
+    lines += ["", *gpu_measured_lines(cpu, gpu), "", *gpu_call_lines(gpu_dir)]
     return lines
+
+
+def gpu_measured_lines(cpu: pd.DataFrame, gpu: pd.DataFrame) -> list[str]:
+    """What the GPU points measure, as numbers: the share's range per SFT length, the two devices at the
+    same width and SFT length, and R3's effect on k3 at hidden >= 256."""
+    out = ["Measured (descriptive: no registered rule judges the GPU points):"]
+    for steps, rows in gpu.groupby("sft_steps"):
+        rows = rows.sort_values("H")
+        out.append(f"- {steps:.0f}-step SFT on the GPU: " + ", ".join(
+            f"{pct(r.share)} at hidden {int(r.H)}" for _, r in rows.iterrows()) + ".")
+    for _, g in gpu.iterrows():
+        same = cpu[(cpu.H == g.H) & (cpu.F == g.F) & (cpu.sft_steps == g.sft_steps)]
+        if len(same):
+            c = same.iloc[0]
+            overlap = c.share_lo <= g.share_hi and g.share_lo <= c.share_hi
+            out.append(f"- Same geometry and SFT length on both devices (hidden {int(g.H)}, {g.sft_steps:.0f} steps): "
+                       f"CPU {pct(c.share, c.share_lo, c.share_hi)}, GPU {pct(g.share, g.share_lo, g.share_hi)}: "
+                       f"{100 * (g.share - c.share):+.1f} points, intervals "
+                       f"{'overlap' if overlap else 'disjoint'}.")
+    wide = pd.concat([cpu[cpu.H >= 256], gpu[gpu.H >= 256]])
+    if len(wide):
+        out.append(f"- R3's effect on k3 at hidden >= 256 ({len(wide)} trained points, both devices): native / R3 "
+                   f"ratio {wide.k3_ratio.min():.2f}–{wide.k3_ratio.max():.2f}, upper 95 % bounds at most "
+                   f"{wide.k3_ratio_hi.max():.2f}.")
+    return out
+
+
+def gpu_call_lines(gpu_dir: Path) -> list[str]:
+    """One line per recorded GPU call (its run*.json): device, versions, SFT length and how it was set."""
+    out = []
+    for path in sorted(gpu_dir.glob("run*.json")):
+        run = json.loads(path.read_text())
+        dev = run.get("device", {})
+        how = (f"chosen by the time guard ({run['calibration']['seconds_per_sft_step_at_widest']:.2f} s a step at "
+               f"hidden {max(run.get('widths', [0]))})" if "calibration" in run else "set by --sft-steps")
+        names = ", ".join(f"`{p['name']}`" for p in run.get("points", []))
+        out.append(f"GPU call `{path.name}`: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "
+                   f"{'on' if dev.get('tf32_matmul') else 'off'} for the fp32 trainer; {run.get('sft_steps')} SFT steps "
+                   f"{how}; {run.get('seconds_total', 0):.0f} s for {names or 'no point'}.")
+    return [line for pair in zip(out, [""] * len(out)) for line in pair][:-1]
 
 
 def main() -> None:

@@ -109,5 +109,10 @@ def test_geometry_answer_states_the_widest_gpu_point_against_the_paper():
     text = answers.geometry(preds, 0.94, gpu)
     assert ("Measured on NVIDIA H200 with trained routers at Qwen3-30B-A3B's real width (hidden 2048): "
             "73.8 % [72.8 %, 74.8 %], below the paper's 94.0 %.") in text
+    # with two SFT lengths at the widest width, the answer takes the longer one (the CPU ladder's recipe)
+    longer = pd.concat([gpu.assign(sft_steps=100), pd.DataFrame([{**gpu.iloc[1].to_dict(), "share": 0.748,
+                                                                  "share_lo": 0.738, "share_hi": 0.758, "sft_steps": 400}])])
+    assert ("Measured on NVIDIA H200 with trained routers (400-step SFT) at Qwen3-30B-A3B's real width "
+            "(hidden 2048): 74.8 % [73.8 %, 75.8 %]") in answers.geometry(preds, 0.94, longer)
     assert "Measured on" not in answers.geometry(preds, 0.94)  # no GPU points: nothing said of them
     assert "at or above the paper's" in answers.geometry(preds, 0.7, gpu)

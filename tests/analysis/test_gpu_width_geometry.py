@@ -175,7 +175,8 @@ def test_a_point_out_of_memory_is_recorded_and_the_next_one_runs(tmp_path, monke
 
 def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_ladder(tmp_path):
     """RESULTS.md and the 06 README read the GPU points through one table: the CPU's trained width ladder
-    first, then each GPU point with its SFT steps, and the run's device; no GPU folder is one line."""
+    first, then the GPU's points as one width ladder per SFT length; the real-width line compares the
+    widest point with the CPU's SFT length (400); one line per GPU call; no GPU folder is one line."""
     from tests_helpers import load_script
 
     gf = load_script("scripts/geometry_figures.py", "moerl_geometry_figures_test")
@@ -184,15 +185,23 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     names = [row.split("`")[1] for row in rows]
     assert names[:4] == ["state_qwen3_warm400", "state_qwen3_warm400_h128", "state_qwen3_warm400_h256",
                          "gpu_qwen3_warm100_h256_f128"]
-    assert names[-1] == "gpu_qwen3_warm100_h2048_f128"
-    recorded = json.loads((ROOT / "results/geometry/gpu/gpu_qwen3_warm100_h2048_f128.json").read_text())
+    assert names[6:] == ["gpu_qwen3_warm100_h2048_f128", "gpu_qwen3_warm400_h256_f128", "gpu_qwen3_warm400_h2048_f128"]
+    recorded = json.loads((ROOT / "results/geometry/gpu/gpu_qwen3_warm400_h2048_f128.json").read_text())
     share = recorded["results"]["bf16"]["all/share"]
-    assert f"| {share:.1%} [" in rows[-1] and "| NVIDIA H200, native | 2048 | 128 | 100 |" in rows[-1]
-    assert "| CPU, emulated | 256 | 128 | 400 |" in rows[2]
-    assert lines[-1].startswith("GPU run: NVIDIA H200, torch ")
+    assert f"| {share:.1%} [" in rows[-1] and f"| NVIDIA H200, native | 2048 | 128 | 400 | {recorded['policy']['warm_start']['test_accuracy']['pass1']:.3f} |" in rows[-1]
+    assert "| CPU, emulated | 256 | 128 | 400 | 0.074 |" in rows[2]
+    calls = [line for line in lines if line.startswith("GPU call `")]
+    assert [c.split("`")[1] for c in calls] == ["run_warm100.json", "run_warm400_h2048.json", "run_warm400_h256.json"]
+    assert "chosen by the time guard" in calls[0] and "set by --sft-steps" in calls[1]
     verdict = [line for line in lines if line.startswith("At Qwen3-30B-A3B's real width (hidden 2048)")]
     assert len(verdict) == 1
-    assert f"the GPU measured {100 * share:.1f} % [" in verdict[0] and "inside that interval" in verdict[0]
+    assert f"the GPU measured {100 * share:.1f} % [" in verdict[0] and "`gpu_qwen3_warm400_h2048_f128`" in verdict[0]
+    cpu256 = json.loads((ROOT / "results/geometry/state_qwen3_warm400_h256.json").read_text())["results"]["bf16"]
+    gpu256 = json.loads((ROOT / "results/geometry/gpu/gpu_qwen3_warm400_h256_f128.json").read_text())["results"]["bf16"]
+    same = [line for line in lines if line.startswith("- Same geometry and SFT length on both devices (hidden 256")]
+    assert len(same) == 1 and f"{100 * (gpu256['all/share'] - cpu256['all/share']):+.1f} points" in same[0]
+    disjoint = gpu256["all/share_hi"] < cpu256["all/share_lo"] or cpu256["all/share_hi"] < gpu256["all/share_lo"]
+    assert ("disjoint" if disjoint else "overlap") in same[0]
     empty = tmp_path / "geometry"
     (empty / "gpu").mkdir(parents=True)
     assert gf.gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "

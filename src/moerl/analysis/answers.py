@@ -180,7 +180,8 @@ def consequences(claim_list, collapses: dict[tuple[str, int], int | None]) -> st
 def geometry(preds: pd.DataFrame, paper: float, gpu: pd.DataFrame | None = None) -> str:
     """Notebook 07: the measured share of tokens re-routed in >= 1 MoE layer at each cluster geometry,
     against the paper's figure, and the extrapolations to the real width that bracket it; with ``gpu``
-    (scripts/gpu_width_geometry.py's points), what trained routers measured at the widest GPU point."""
+    (scripts/gpu_width_geometry.py's points), what trained routers measured at the widest GPU point (its
+    longest SFT there)."""
     parts = []
     for _, r in preds.iterrows():
         text = f"{r['model']}: measured {_pct(r.get('measured_share', np.nan))}"
@@ -196,10 +197,13 @@ def geometry(preds: pd.DataFrame, paper: float, gpu: pd.DataFrame | None = None)
                    f"{above} of {len(measured)} cluster geometries: the routing geometry (MoE layers × experts, "
                    "top-k) " + ("can" if above else "does not") + " by itself give a share that large at CPU width.")
     if gpu is not None and len(gpu):
-        w = gpu.sort_values("H").iloc[-1]
+        from moerl.analysis.geometry_report import gpu_reference_point
+
+        w = gpu_reference_point(gpu)
         same = preds[(preds.L == w.L) & (preds.E == w.E) & (preds.k == w.k) & (preds.H == w.H)]
         where = f"{same.iloc[0]['model']}'s real width" if len(same) else f"{int(w.L)} x {int(w.E)}, top-{int(w.k)}"
-        verdict += (f" Measured on {w.device} with trained routers at {where} (hidden {int(w.H)}): "
+        sft = f" ({w.sft_steps:.0f}-step SFT)" if w.get("sft_steps") == w.get("sft_steps") and w.get("sft_steps") else ""
+        verdict += (f" Measured on {w.device} with trained routers{sft} at {where} (hidden {int(w.H)}): "
                     f"{_pct(w.share)} [{_pct(w.share_lo)}, {_pct(w.share_hi)}], "
                     + ("at or above" if w.share >= paper else "below") + f" the paper's {_pct(paper)}.")
     return HEAD + "share of tokens with ≥ 1 re-routed MoE layer — " + "; ".join(parts) + "." + verdict

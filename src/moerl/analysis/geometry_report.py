@@ -66,7 +66,10 @@ def load_points(root: str | Path = "results/geometry", pattern: str = "*.json") 
                 "F1.5": r["native/extreme_gt1.5"], "F1.5_r3": r["r3/extreme_gt1.5"],
                 "k3_ratio": r.get("r3/k3_ratio"), "k3_ratio_lo": r.get("r3/k3_ratio_lo"),
                 "k3_ratio_hi": r.get("r3/k3_ratio_hi"), "p_layer": {int(k): v for k, v in r["p_layer"].items()},
-                "seconds": rec["seconds_total"], "policy": rec["policy"], "response_length": r["response_length_mean"],
+                "seconds": rec["seconds_total"], "policy": rec["policy"],
+                "sft_steps": ((rec.get("policy") or {}).get("warm_start") or {}).get("steps"),
+                "sft_pass1": (((rec.get("policy") or {}).get("warm_start") or {}).get("test_accuracy") or {}).get("pass1"),
+                "response_length": r["response_length_mean"],
                 "kernels": r["kernels"], "prompts": r["prompts"], "group_size": r["group_size"]})
     return pd.DataFrame(rows)
 
@@ -113,6 +116,14 @@ def sft_width(df: pd.DataFrame) -> pd.DataFrame:
     sel = df[(df.rollout == "bf16") & (df.ladders.apply(lambda ls: "width_sft" in ls)
                                        | (df.point == "state_qwen3_warm400"))]
     return sel.sort_values("H") if sel.ladders.apply(lambda ls: "width_sft" in ls).any() else sel.iloc[:0]
+
+
+def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
+    """The GPU point that stands for the real width: the widest bf16 point, and at that width the longest
+    supervised warm start (the CPU's trained ladder is 400 steps, so that point compares like with like)."""
+    bf16 = gpu[gpu.rollout == "bf16"] if "rollout" in gpu else gpu
+    steps = bf16.sft_steps.fillna(0) if "sft_steps" in bf16 else 0
+    return bf16.assign(_steps=steps).sort_values(["H", "_steps"]).iloc[-1].drop("_steps")
 
 
 def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | None:
@@ -535,10 +546,11 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
     if not trained_cpu.empty:
         series.append((trained_cpu, f"CPU, trained routers (400-step SFT), emulated bf16 ({width_ffn(trained_cpu)})",
                        "D", "C5", "C5"))
-    steps = gpu.policy.apply(lambda p: p.get("warm_start", {}).get("steps")) if not gpu.empty else None
-    for (device, sft_steps), rows in (gpu.groupby([gpu.device, steps]) if not gpu.empty else []):
-        series.append((rows, f"{device}: trained routers ({sft_steps}-step SFT), its own bf16 kernels "
-                             f"({width_ffn(rows)})", "s", "C3", "C3"))
+    gpu_styles = iter([("s", "C3"), ("^", "C0"), ("v", "C2"), ("P", "C4")])  # one per (GPU, SFT length)
+    for (device, sft_steps), rows in (gpu.groupby([gpu.device, gpu.sft_steps]) if not gpu.empty else []):
+        marker, color = next(gpu_styles)
+        series.append((rows, f"{device}: trained routers ({sft_steps:.0f}-step SFT), its own bf16 kernels "
+                             f"({width_ffn(rows)})", marker, color, color))
     fig, ax = plt.subplots(figsize=(9, 6.2))
     widths = set()
     for rows, label, marker, color, face in series:
@@ -546,10 +558,11 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
         widths |= set(int(h) for h in rows.H)
         ax.errorbar(rows.H, rows.share, yerr=[rows.share - rows.share_lo, rows.share_hi - rows.share], fmt=marker + "-",
                     color=color, mfc=face, ms=6, lw=1, capsize=3, label=label)
-        if color == "C3":
+        if "its own bf16 kernels" in label:  # the GPU's points carry their values, each series on its own side
+            above = label == next(lab for _, lab, *_ in series if "its own bf16 kernels" in lab)
             for _, r in rows.iterrows():
-                ax.annotate(f"{100 * r.share:.1f} %", (r.H, r.share), fontsize=8, color=color, xytext=(5, 6),
-                            textcoords="offset points")
+                ax.annotate(f"{100 * r.share:.1f} %", (r.H, r.share), fontsize=8, color=color,
+                            xytext=(5, 6) if above else (5, -13), textcoords="offset points")
     ax.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, hidden 2048, real model)")
     ax.set_xscale("log", base=2)
     ticks = sorted(widths | {2048})

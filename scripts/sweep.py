@@ -175,6 +175,20 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
     return experiment, out_dir, jobs
 
 
+def order_jobs(jobs: list[Job], by: str = "arm") -> list[Job]:
+    """The order runs start in: a run left half-done first (its checkpoint is work already paid for),
+    then arm by arm (``arm``: every seed of the first arm, then the next) or seed by seed (``seed``: seed 0
+    of every arm, then seed 1). Seed by seed suits a long grid: wherever it stops, every arm has the same
+    seeds, so paired comparisons can be read; arm by arm leaves the last arms with none."""
+    if by not in ("arm", "seed"):
+        raise SystemExit(f"--order {by}: expected arm or seed")
+    arms = list(dict.fromkeys(j.arm for j in jobs))
+    seeds = list(dict.fromkeys(j.seed for j in jobs))
+    position = (lambda j: (arms.index(j.arm), seeds.index(j.seed))) if by == "arm" else \
+        (lambda j: (seeds.index(j.seed), arms.index(j.arm)))
+    return sorted(jobs, key=lambda j: (j.action != "resume", position(j)))
+
+
 def _computation(cfg) -> str:
     """A key for what a run computes: its identity (moerl.config.identity_dict) without the arm name."""
     import hashlib
@@ -583,6 +597,9 @@ def sweep(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     ap.add_argument("--seed-list", default=None, help="explicit seeds, comma-separated (instead of --seeds)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arms (default: all)")
+    ap.add_argument("--order", choices=("arm", "seed"), default="arm",
+                    help="start runs arm by arm (default) or seed by seed (seed 0 of every arm first: a grid "
+                         "stopped early still pairs every arm); an interrupted run resumes first either way")
     ap.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the number of cores)")
     ap.add_argument("--threads", type=int, default=None, help="threads per run (default max(1, cores // jobs))")
     ap.add_argument("--output-dir", default=None, help="tracking.output_dir for every run (default: the config's, runs/)")
@@ -612,6 +629,7 @@ def sweep(argv: list[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     experiment, out_dir, jobs = plan(Path(args.experiment_dir), seeds, arms, overrides, threads,
                                      run_script=args.run_script)
+    jobs = order_jobs(jobs, args.order)
     read_record(out_dir)  # a damaged sweep.json stops the sweep now, not after its runs
     todo = [j for j in jobs if j.action != "skip"]
     n_warm = len({j.warm_start for j in todo if j.warm_start})

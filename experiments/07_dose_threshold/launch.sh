@@ -54,15 +54,19 @@ case "$ARM" in
       *pending*) echo "launch.sh $ARM: experiments/07_dose_threshold/analysis.yaml rollout_path is not set ($path); commit the fast path's fidelity check and name it there first" >&2; exit 2 ;;
     esac
     eval8="trainer.eval_samples=8"  # 2,048 completions per evaluation (analysis.yaml eval_completions)
+    # Seed by seed, so that wherever a grid stops every arm (and every mechanism rung) has the same seeds
+    # and the paired comparisons can be read; an interrupted run resumes before anything new starts.
     if [[ $ARM == confirm ]]; then
       sweep --arms fp32_control --seeds 12 "$path" "$eval8"
-      sweep --arms baseline,r3,tis,icepop,r3_tis --seeds 12 rollout.dtype=fp8 "$path" "$eval8"
-      sweep --arms baseline,tis,icepop,r3_tis --seeds 5 rollout.dtype=nvfp4 trainer.steps=600 "$path" "$eval8"
+      sweep --arms baseline,r3,tis,icepop,r3_tis --seeds 12 --order seed rollout.dtype=fp8 "$path" "$eval8"
+      sweep --arms baseline,tis,icepop,r3_tis --seeds 5 --order seed rollout.dtype=nvfp4 trainer.steps=600 "$path" "$eval8"
     else
-      for rung in nvfp4_experts nvfp4_attention int4_experts int4_attention int4_kimi; do
-        sweep --arms baseline,r3 --seeds 5 "rollout.dtype=$rung" "$path" "$eval8"
+      for seed in 0 1 2 3 4; do
+        for rung in nvfp4_experts nvfp4_attention int4_experts int4_attention int4_kimi; do
+          sweep --arms baseline,r3 --seed-list "$seed" "rollout.dtype=$rung" "$path" "$eval8"
+        done
+        sweep --arms qat_int4,qat_int4_r3,qat_int4_tis --seed-list "$seed" "$path" "$eval8"
       done
-      sweep --arms qat_int4,qat_int4_r3,qat_int4_tis --seeds 5 "$path" "$eval8"
     fi ;;
   "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | confirm | mechanism | ARM [--seed N] | --smoke [ARM]" \
         "[key=value ...]" >&2; exit 2 ;;

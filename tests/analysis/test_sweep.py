@@ -127,6 +127,19 @@ def test_plan_decides_per_run_and_validates(tmp_path):
         sweep.plan(EXP_DIR, [0], ["r3"], ["trainer.stepz=3"], 1)
 
 
+def test_runs_start_arm_by_arm_or_seed_by_seed_and_an_interrupted_run_first():
+    def job(arm, seed, action="fresh"):
+        return sweep.Job(arm, seed, f"{arm}.yaml", f"runs/{arm}/seed{seed}", action, "log")
+
+    jobs = [job("a", 0, "skip"), job("a", 1), job("b", 0), job("b", 1, "resume"), job("c", 0), job("c", 1)]
+    by_arm = [(j.arm, j.seed) for j in sweep.order_jobs(jobs, "arm")]
+    assert by_arm == [("b", 1), ("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1)]
+    by_seed = [(j.arm, j.seed) for j in sweep.order_jobs(jobs, "seed")]
+    assert by_seed == [("b", 1), ("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1)]
+    with pytest.raises(SystemExit, match="--order diagonal: expected arm or seed"):
+        sweep.order_jobs(jobs, "diagonal")
+
+
 def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monkeypatch, capsys):
     out = tmp_path / "runs"
     exp_out = out / "00_tiny_moe_cpu"

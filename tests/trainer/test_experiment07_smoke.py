@@ -105,6 +105,33 @@ def test_registered_grids_run_every_run_on_the_registered_rollout_path(mode="con
     assert all(" rollout.decode=loop " in line and " trainer.eval_samples=8" in line for line in planned)
 
 
+def test_registered_grids_start_seed_by_seed():
+    """A registered grid that stops early leaves every arm, and every mechanism rung, with the same seeds:
+    the plan reaches seed k of every arm before seed k + 1 of any."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    def planned(mode):
+        out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode, "--dry-run"], capture_output=True,
+                             text=True, env={**os.environ, "PYTHON": sys.executable}, cwd=ARMS.parents[2])
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stdout.splitlines() if "scripts/run.py" in line]
+
+    def seeds(lines):
+        return [int(re.search(r"--seed (\d+)", line).group(1)) for line in lines]
+
+    fp8 = [line for line in planned("confirm") if "rollout.dtype=fp8" in line]
+    assert seeds(fp8) == sorted(seeds(fp8)) and seeds(fp8)[:5] == [0] * 5
+    mechanism = planned("mechanism")
+    assert len(mechanism) == 5 * 2 * 5 + 3 * 5
+    assert seeds(mechanism) == sorted(seeds(mechanism)) and seeds(mechanism)[:13] == [0] * 13
+    first_seed = " ".join(mechanism[:13])
+    assert all(f"rollout.dtype={rung}" in first_seed for rung in MECHANISM_RUNGS)
+    assert all(f"arms/{arm}.yaml" in first_seed for arm in QAT_ARMS)
+
+
 def test_registered_mechanism_grid_names_configs_that_load():
     import yaml
 

@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> Path:
     text = "\n".join([text.rstrip("\n"), *kept]) + "\n" if kept else text
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
-    print(text)
-    print(f"wrote {out}")
+    print(f"wrote {out} ({len(sections)} experiment section(s) rewritten, {len(kept)} generated section(s) kept)")
     return out
 
 

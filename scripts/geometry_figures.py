@@ -19,9 +19,9 @@ import pandas as pd
 
 matplotlib.use("Agg")
 
-from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, gpu_reference_point, figure_cluster_extrapolation, figure_flip_along_stack,
-                                   figure_ladders, figure_router_state, fits, ladder, load_points, predictions,
-                                   sft_depth, sft_width)
+from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
+                                   figure_ladders, figure_router_state, fits, gpu_reference_point, ladder, load_points,
+                                   predictions, sft_depth, sft_width)
 from moerl.analysis.results import write_marked_section
 
 

@@ -31,12 +31,34 @@ def test_membership_keeps_the_recorded_grids_apart():
 def test_no_verdict_before_the_last_registered_run():
     controls = [run("fp32_control", "fp32", s, end=0.80) for s in range(11)]
     out = confirmatory.report(controls, REGISTERED, RULES)
-    assert out["progress"]["confirmatory_control"] == {"planned": 12, "finished": 11, "started": 11, "complete": False}
+    assert out["progress"]["confirmatory_control"] == {"planned": 12, "finished": 11, "started": 11, "complete": False,
+                                                       "machines": {"not recorded": 11}}
     assert out["verdicts"] == {}
     unfinished = run("fp32_control", "fp32", 11, end=0.80)
     unfinished["steps"] = 120
     assert confirmatory.report(controls + [unfinished], REGISTERED, RULES)["verdicts"] == {}
     assert "after the last registered run" in confirmatory.markdown(out)
+
+
+def test_progress_names_the_machine_kinds_a_grid_was_recorded_on(tmp_path):
+    from moerl.analysis.dose import machine_kind
+
+    xeon = "Intel(R) Xeon(R) Processor, AVX512+AMX, torch 2.13.0+cpu, emulated kernels"
+    epyc = "AMD EPYC 7B13, AVX2, torch 2.13.0+cpu, emulated kernels"
+    controls = [run("fp32_control", "fp32", s, machine=xeon) for s in range(12)]
+    text = confirmatory.markdown(confirmatory.report(controls, REGISTERED, RULES))
+    assert f"| confirmatory_control | 12 | 12 | computed below | {xeon} |" in text
+    controls[3]["machine"] = epyc
+    progress = confirmatory.report(controls, REGISTERED, RULES)["progress"]["confirmatory_control"]
+    assert progress["machines"] == {xeon: 11, epyc: 1}
+    assert f"**2 machine kinds**: {xeon} (11); {epyc} (1) |" in confirmatory.markdown(
+        confirmatory.report(controls, REGISTERED, RULES))
+    # from a run's machine.json; none recorded reads None
+    (tmp_path / "machine.json").write_text('{"cpu_model": "AMD EPYC 7B13", "isa_flags": {"avx2": true}, '
+                                           '"torch_cpu_capability": "AVX2", "torch_version": "2.13.0+cpu", '
+                                           '"rollout_kernels": "emulated"}')
+    assert machine_kind(tmp_path) == epyc
+    assert machine_kind(tmp_path / "nowhere") is None
 
 
 def test_regime_rule_against_its_noise():
@@ -186,7 +208,8 @@ def test_no_mechanism_verdict_before_its_last_registered_run():
     last = next(r for r in runs if r["arm"] == "qat_int4_tis" and r["seed"] == 4)
     partial = [r for r in runs if r is not last]
     out = confirmatory.report(partial, REGISTERED, RULES)
-    assert out["progress"]["mechanism"] == {"planned": 65, "finished": 64, "started": 64, "complete": False}
+    assert {k: v for k, v in out["progress"]["mechanism"].items() if k != "machines"} == {
+        "planned": 65, "finished": 64, "started": 64, "complete": False}
     assert "confirmatory_control" in out["verdicts"] and "mechanism" not in out["verdicts"]
     assert out["exploratory"] == {}
     assert "| mechanism | 65 | 64 | after the last registered run |" in confirmatory.markdown(out)

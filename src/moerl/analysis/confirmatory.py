@@ -124,13 +124,18 @@ def finished(run: dict) -> bool:
 
 
 def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
-    """Per path grid: registered runs, finished runs, and whether the grid is complete."""
+    """Per path grid: registered runs, finished runs, whether the grid is complete, and the machine kinds
+    its finished runs were recorded on (``machines``: kind -> runs; moerl.analysis.dose.machine_kind)."""
     out = {}
     for name, grid in path_grids(registered).items():
         mine = {(r["arm"], r["rung"], r["seed"]): r for r in runs if grid_of(r, registered) == name}
-        done = sum(1 for key in grid.planned() if key in mine and finished(mine[key]))
-        out[name] = {"planned": len(grid.planned()), "finished": done, "started": len(mine),
-                     "complete": done == len(grid.planned())}
+        done = [mine[key] for key in grid.planned() if key in mine and finished(mine[key])]
+        machines: dict[str, int] = {}
+        for r in done:
+            kind = r.get("machine") or "not recorded"
+            machines[kind] = machines.get(kind, 0) + 1
+        out[name] = {"planned": len(grid.planned()), "finished": len(done), "started": len(mine),
+                     "complete": len(done) == len(grid.planned()), "machines": machines}
     return out
 
 
@@ -385,11 +390,14 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
              "(finished runs are committed as they land).", "",
-             "| grid | registered runs | finished | verdicts |", "|---|---|---|---|"]
+             "| grid | registered runs | finished | verdicts | finished runs recorded on |", "|---|---|---|---|---|"]
     for name, p in result["progress"].items():
         state = "computed below" if name in result["verdicts"] else (
             "waits for confirmatory_control" if p["complete"] else "after the last registered run")
-        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {state} |")
+        machines = p.get("machines") or {}
+        where = ("—" if not machines else next(iter(machines)) if len(machines) == 1 else
+                 f"**{len(machines)} machine kinds**: " + "; ".join(f"{k} ({n})" for k, n in machines.items()))
+        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {state} | {where} |")
     for grid, verdicts in result["verdicts"].items():
         lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",
                   "|---|---|---|---|---|"]

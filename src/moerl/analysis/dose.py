@@ -144,6 +144,19 @@ class RunReadError(ValueError):
     """A run directory of the experiment that cannot be read; the message names the file."""
 
 
+def machine_kind(run: Path) -> str | None:
+    """What a run's numbers depend on besides its config (its machine.json): the CPU, its vector ISA and
+    AMX, the torch build and the rollout kernels. Runs of one comparison recorded on different kinds are
+    still valid seeds, but a report says so (moerl.analysis.confirmatory.progress)."""
+    try:
+        m = json.loads((run / "machine.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    amx = "+AMX" if (m.get("isa_flags") or {}).get("amx_bf16") else ""
+    return (f"{m.get('cpu_model', '?')}, {m.get('torch_cpu_capability', '?')}{amx}, torch {m.get('torch_version', '?')}, "
+            f"{m.get('rollout_kernels') or '?'} kernels")
+
+
 def load_runs(root: str | Path, grids: str = "recorded") -> list[dict]:
     """The experiment's runs: arm, rung (its rollout.dtype), seed and its summary. ``grids="recorded"``: the
     runs of the grids recorded before the registered rollout path was named (ladder, control, main), the
@@ -184,6 +197,7 @@ def load_runs(root: str | Path, grids: str = "recorded") -> list[dict]:
             runs.append({"arm": current_arm(EXPERIMENT, cfg["arm"]), "rung": rollout["dtype"], "seed": int(cfg["seed"]),
                          "registration": recorded.get("registration"),
                          "steps_planned": trainer["steps"], "setup": setup, "run_dir": str(run),
+                         "machine": machine_kind(run),
                          # which grid a run belongs to (moerl.analysis.confirmatory.grid_of)
                          "eval_completions": int(trainer.get("eval_samples", 1)) * int(trainer.get("eval_size", 0)),
                          "path": {path_key: (cfg.get(section) or {}).get(key)}, **summary})

@@ -25,6 +25,12 @@ scale: SkyRL's fake-INT4 QAT documents and verifies this convention bit for bit 
 ``scale_divisor=7.0, q_min=-7``). :func:`fake_quantize_masters` puts the trainer's own weights on the
 same grid (SkyRL's trainer-side mitigation).
 
+Checked against the upstream code of each format in vLLM's CPU build
+(``tests/upstream_vllm/test_quant_formats_upstream.py``): ``int4`` and ``int4_kimi`` equal compressed-tensors
+bit for bit (Kimi's codes through ``pack-quantized`` packing too); ``nvfp4`` equals vLLM's
+``ref_nvfp4_quant_dequant`` but for a few weights in a thousand, where its fp32 operations in another order
+round the other way (kept as recorded: the 07 grids ran on these exact values).
+
 A CPU has none of these kernels, so each weight is rounded once through its format on the engine's copy
 and kept dequantised in bf16: the engine then computes with exactly the values the quantised weight can
 hold, activations in bf16 (the W·A16 products run through ``rollout.kernels``). Nothing adds noise.

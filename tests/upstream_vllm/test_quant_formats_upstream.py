@@ -3,7 +3,8 @@ format, where it imports: compressed-tensors at the version vLLM's CPU build pin
 reference. The main environment has neither, so precision.py re-encodes the formats; here each one runs
 beside the library code the engines use.
 
-- ``int4`` (W4A16, groups of 128): compressed-tensors' RTN qparams, quantize and dequantize, bit for bit.
+- ``fp8`` (e4m3, a scale per output channel) and ``int4`` (W4A16, groups of 128): compressed-tensors' qparams,
+  quantize and dequantize, bit for bit.
 - ``int4_kimi`` (Kimi-K2-Thinking's routed experts): codes on the QAT grid (bf16 scale amax / 7), packed
   and unpacked in the ``pack-quantized`` format and dequantised to bf16 by compressed-tensors, bit for bit.
 - ``nvfp4``: vLLM's ``ref_nvfp4_quant_dequant`` (its CPU emulation) computes the same formula with its
@@ -32,6 +33,15 @@ def bf16_weights(seed: int, out: int = 256, inp: int = 1024, std: float = 0.02) 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=g) * torch.logspace(-2, 0, out)[:, None] * std
     return w.to(torch.bfloat16).float()
+
+
+def test_fp8_is_compressed_tensors_channel_fp8_bit_for_bit():
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    for seed in range(3):
+        w = bf16_weights(seed)
+        scale, zero_point = calculate_qparams(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True), args)
+        reference = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args)
+        assert torch.equal(precision.quantize_dequantize_e4m3(w), reference)
 
 
 def test_int4_is_compressed_tensors_w4a16_bit_for_bit():

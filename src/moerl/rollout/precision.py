@@ -26,7 +26,7 @@ scale: SkyRL's fake-INT4 QAT documents and verifies this convention bit for bit 
 same grid (SkyRL's trainer-side mitigation).
 
 Checked against the upstream code of each format in vLLM's CPU build
-(``tests/upstream_vllm/test_quant_formats_upstream.py``): ``int4`` and ``int4_kimi`` equal compressed-tensors
+(``tests/upstream_vllm/test_quant_formats_upstream.py``): ``fp8``, ``int4`` and ``int4_kimi`` equal compressed-tensors
 bit for bit (Kimi's codes through ``pack-quantized`` packing too); ``nvfp4`` equals vLLM's
 ``ref_nvfp4_quant_dequant`` but for a few weights in a thousand, where its fp32 operations in another order
 round the other way (kept as recorded: the 07 grids ran on these exact values).

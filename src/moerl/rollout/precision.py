@@ -29,7 +29,10 @@ Checked against the upstream code of each format in vLLM's CPU build
 (``tests/upstream_vllm/test_quant_formats_upstream.py``): ``fp8``, ``int4`` and ``int4_kimi`` equal compressed-tensors
 bit for bit (Kimi's codes through ``pack-quantized`` packing too); ``nvfp4`` equals vLLM's
 ``ref_nvfp4_quant_dequant`` but for a few weights in a thousand, where its fp32 operations in another order
-round the other way (kept as recorded: the 07 grids ran on these exact values).
+round the other way (kept as recorded: the 07 grids ran on these exact values). ``int8`` is not FlashRL's
+quantiser itself: flash-llm-rl 1.0.3 (``flash_rl/flash_quantization.py``) keeps the per-channel scales of a
+pre-quantised W8A8 checkpoint and clamps to [-128, 127]; here the scale is amax / 127 of the current weights,
+recomputed at every refit.
 
 A CPU has none of these kernels, so each weight is rounded once through its format on the engine's copy
 and kept dequantised in bf16: the engine then computes with exactly the values the quantised weight can

@@ -43,8 +43,8 @@ without a quant config) and its bias, and the LoRA tensors (applied in 16 bit on
 base). Weights are ``[..., out, in]`` (transformers' fused expert stacks included); blocks and groups run
 along ``in``, and a last block shorter than the block size (a narrow CPU model) is its own block. NVFP4's
 per-tensor scale is one per parameter, so a fused expert stack shares one where vLLM keeps one per expert:
-the rounded values differ, the error does not (relative RMS error 0.0954 shared vs 0.0953 per expert, 16
-experts of random weights whose scales differ by up to 1.5x).
+the rounded values differ, the size of the error does not
+(``tests/rollout/test_precision_scopes.py::test_nvfp4_stack_scale_rounds_as_coarsely_as_per_expert_scales``).
 """
 from __future__ import annotations
 

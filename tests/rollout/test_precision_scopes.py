@@ -15,21 +15,22 @@ from moerl.rollout.precision import (fake_quantize_masters, fake_quantize_ste, q
 
 def kimi_reference(w: np.ndarray) -> np.ndarray:
     """compressed-tensors symmetric int4, group 32 along the input, Kimi's QAT grid: scale = amax / 7 stored
-    in bf16, codes in [-7, 7], dequantised values in bf16. bf16 rounding: round-to-nearest-even on the top
-    16 bits of the fp32 pattern."""
+    in bf16, w / scale computed on bf16 values and rounded to bf16 before rounding to a code in [-7, 7],
+    dequantised values in bf16. bf16 rounding: round-to-nearest-even on the top 16 bits of the fp32
+    pattern."""
     def bf16(x):
         bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return rounded.astype(np.uint32).view(np.float32)
 
     out = np.empty_like(w, dtype=np.float32)
-    rows = w.reshape(-1, w.shape[-1]).astype(np.float32)
+    rows = bf16(w.reshape(-1, w.shape[-1]))  # the engine's bf16 copy
     flat = out.reshape(-1, w.shape[-1])
     for r, row in enumerate(rows):
         for start in range(0, row.size, 32):
             group = row[start:start + 32]
             scale = bf16(np.float32(np.abs(group).max()) / np.float32(7.0))
-            codes = np.clip(np.round(group / scale), -7, 7) if scale else np.zeros_like(group)
+            codes = np.clip(np.round(bf16(group / scale)), -7, 7) if scale else np.zeros_like(group)
             flat[r, start:start + 32] = bf16(codes.astype(np.float32) * scale)
     return out
 

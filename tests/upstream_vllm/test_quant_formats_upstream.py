@@ -55,8 +55,9 @@ def test_int4_is_compressed_tensors_w4a16_bit_for_bit():
 
 
 def test_kimi_int4_codes_pack_and_dequantise_as_compressed_tensors():
-    """Kimi-K2-Thinking's config.json: compressed-tensors, pack-quantized, int4 symmetric, group 32. The
-    engine reads packed int32 codes and a bf16 scale per group and computes code x scale in bf16."""
+    """Kimi-K2-Thinking's config.json: compressed-tensors, pack-quantized, int4 symmetric, group 32. A refit
+    quantises the engine's bf16 weights with the checkpoint's bf16 scale (amax / 7); the engine reads the
+    packed int32 codes and computes code x scale in bf16."""
     group = precision.KIMI_INT4_GROUP
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
     for seed in range(3):
@@ -64,7 +65,7 @@ def test_kimi_int4_codes_pack_and_dequantise_as_compressed_tensors():
         w[0, :group] = 0.0  # an all-zero group
         scale = (w.reshape(w.shape[0], -1, group).abs().amax(-1) / precision.KIMI_INT4_DIVISOR).to(torch.bfloat16)
         zero_point = torch.zeros_like(scale, dtype=torch.int8)
-        codes = quantize(w, scale.float(), zero_point, args, dtype=torch.int8)
+        codes = quantize(w.to(torch.bfloat16), scale, zero_point, args, dtype=torch.int8)
         assert -7 <= int(codes.min()) and int(codes.max()) <= 7  # the QAT grid: -8 is never used
         packed = pack_to_int32(codes, 4)
         assert packed.dtype == torch.int32 and packed.shape == (w.shape[0], w.shape[1] // 8)

@@ -22,8 +22,10 @@ first layer and ``lm_head`` in the ``ignore`` list (bf16)
 scale = amax / 7 and codes in [-7, 7] (the largest weight of every group codes to ±7), stored as a bf16
 scale: SkyRL's fake-INT4 QAT documents and verifies this convention bit for bit against Kimi's release
 (``skyrl/backends/skyrl_train/workers/megatron/fake_int4_qat.py``, NovaSky-AI/SkyRL a9564572,
-``scale_divisor=7.0, q_min=-7``). :func:`fake_quantize_masters` puts the trainer's own weights on the
-same grid (SkyRL's trainer-side mitigation).
+``scale_divisor=7.0, q_min=-7``), whose divide, round and multiply run in the weight's dtype (bf16), as
+compressed-tensors' quantize() does on bf16 weights; so do they here (a divide in fp32 would move about
+one code in 170 by a step, at near-ties). :func:`fake_quantize_masters` puts the trainer's own weights on
+the same grid (SkyRL's trainer-side mitigation).
 
 Checked against the upstream code of each format in vLLM's CPU build
 (``tests/upstream_vllm/test_quant_formats_upstream.py``): ``fp8``, ``int4`` and ``int4_kimi`` equal compressed-tensors
@@ -140,16 +142,17 @@ def quantize_dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> t
 
 
 def quantize_dequantize_int4_kimi(weight: torch.Tensor) -> torch.Tensor:
-    """Kimi-K2-Thinking's INT4 grid: groups of 32 along the input, scale = bf16(group amax / 7) (one fp32
-    divide, one rounding to the bf16 scale the checkpoint stores), codes round(w / scale) clamped to
-    [-7, 7], dequantised as code · scale rounded to bf16 (the engine's weight dtype). An all-zero group
-    stays zero."""
-    w = weight.detach().float()
+    """Kimi-K2-Thinking's INT4 grid on the engine's bf16 copy, as a refit re-quantises it: groups of 32 along
+    the input, scale = bf16(group amax / 7) (one fp32 divide, one rounding: the checkpoint's bf16
+    ``weight_scale``), then codes round(w / scale) clamped to [-7, 7] and code · scale, both in bf16, the
+    arithmetic of compressed-tensors' quantize() / dequantize() on bf16 weights and of SkyRL's fake-INT4 QAT.
+    An all-zero group stays zero. Returns fp32 holding the bf16 values."""
+    w = weight.detach().to(torch.bfloat16)
     blocks, pad = _blocks(w, KIMI_INT4_GROUP)
-    scale = (blocks.abs().amax(-1, keepdim=True) / KIMI_INT4_DIVISOR).to(torch.bfloat16).float()
+    scale = (blocks.abs().amax(-1, keepdim=True).float() / KIMI_INT4_DIVISOR).to(torch.bfloat16)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round(blocks / safe).clamp(-KIMI_INT4_DIVISOR, KIMI_INT4_DIVISOR)
-    return _unblock((codes * scale).to(torch.bfloat16).float(), pad)
+    return _unblock(codes * scale, pad).float()
 
 
 QUANTIZERS = {"fp8": quantize_dequantize_e4m3, "int8": quantize_dequantize_int8,

@@ -23,8 +23,8 @@ scale = amax / 7 and codes in [-7, 7] (the largest weight of every group codes t
 scale: SkyRL's fake-INT4 QAT documents and verifies this convention bit for bit against Kimi's release
 (``skyrl/backends/skyrl_train/workers/megatron/fake_int4_qat.py``, NovaSky-AI/SkyRL a9564572,
 ``scale_divisor=7.0, q_min=-7``), whose divide, round and multiply run in the weight's dtype (bf16), as
-compressed-tensors' quantize() does on bf16 weights; so do they here (a divide in fp32 would move about
-one code in 170 by a step, at near-ties). :func:`fake_quantize_masters` puts the trainer's own weights on
+compressed-tensors' quantize() does on bf16 weights; so do they here (a divide in fp32 would move some
+near-tie codes by a step). :func:`fake_quantize_masters` puts the trainer's own weights on
 the same grid (SkyRL's trainer-side mitigation).
 
 Checked against the upstream code of each format in vLLM's CPU build

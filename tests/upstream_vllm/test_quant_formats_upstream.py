@@ -4,7 +4,8 @@ reference. The main environment has neither, so precision.py re-encodes the form
 beside the library code the engines use.
 
 - ``fp8`` (e4m3, a scale per output channel) and ``int4`` (W4A16, groups of 128): compressed-tensors' qparams,
-  quantize and dequantize, bit for bit.
+  quantize and dequantize, bit for bit on fp32 weights; on bf16 weights compressed-tensors keeps bf16 scales
+  and arithmetic, a different rounding with an error of the same size.
 - ``int4_kimi`` (Kimi-K2-Thinking's routed experts): codes on the QAT grid (bf16 scale amax / 7), packed
   and unpacked in the ``pack-quantized`` format and dequantised to bf16 by compressed-tensors, bit for bit.
 - ``nvfp4``: vLLM's ``ref_nvfp4_quant_dequant`` (its CPU emulation) computes the same formula with its
@@ -78,6 +79,29 @@ def test_kimi_int4_codes_pack_and_dequantise_as_compressed_tensors():
     rtn_scale, rtn_zp = calculate_qparams(*(lambda g: (g.amin(-1), g.amax(-1)))(w.reshape(w.shape[0], -1, group)), args)
     rtn = dequantize(quantize(w, rtn_scale, rtn_zp, args), rtn_scale, rtn_zp, args)
     assert not torch.equal(rtn.to(torch.bfloat16).float(), precision.quantize_dequantize_int4_kimi(w))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_on_bf16_weights_compressed_tensors_rounds_otherwise_with_the_same_error(fmt):
+    """Given bf16 weights, compressed-tensors computes the scales and the round trip in bf16; the fp8 and
+    int4 rungs compute them in fp32 (the recorded grids ran so). Many weights land on a neighbouring
+    value, the size of the error is the same."""
+    args = (QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel") if fmt == "fp8" else
+            QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=precision.INT4_GROUP))
+    ours_fn = precision.QUANTIZERS[fmt]
+    for seed in range(3):
+        w = bf16_weights(seed).to(torch.bfloat16)
+        groups = w.reshape(w.shape[0], -1, w.shape[1] if fmt == "fp8" else precision.INT4_GROUP)
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        assert scale.dtype == torch.bfloat16
+        upstream = dequantize(quantize(w, scale, zero_point, args), scale, zero_point, args).float()
+        ours = ours_fn(w.float()).to(torch.bfloat16).float()
+
+        def rms(q):
+            return float((q - w.float()).pow(2).mean().sqrt())
+
+        assert not torch.equal(ours, upstream)
+        assert abs(rms(ours) / rms(upstream) - 1) < 0.01
 
 
 def _nvfp4_agreement(block: int) -> tuple[float, float]:

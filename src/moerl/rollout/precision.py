@@ -28,8 +28,10 @@ near-tie codes by a step). :func:`fake_quantize_masters` puts the trainer's own 
 the same grid (SkyRL's trainer-side mitigation).
 
 Checked against the upstream code of each format in vLLM's CPU build
-(``tests/upstream_vllm/test_quant_formats_upstream.py``): ``fp8``, ``int4`` and ``int4_kimi`` equal compressed-tensors
-bit for bit (Kimi's codes through ``pack-quantized`` packing too); ``nvfp4`` equals vLLM's
+(``tests/upstream_vllm/test_quant_formats_upstream.py``): ``fp8`` and ``int4`` equal compressed-tensors bit for
+bit given fp32 weights (their scales and round trip are fp32 here; on bf16 weights compressed-tensors keeps
+them in bf16, a different rounding with an error of the same size); ``int4_kimi`` equals it on the engine's
+bf16 weights, Kimi's codes through ``pack-quantized`` packing too; ``nvfp4`` equals vLLM's
 ``ref_nvfp4_quant_dequant`` but for a few weights in a thousand, where its fp32 operations in another order
 round the other way (kept as recorded: the 07 grids ran on these exact values). ``int8`` is not FlashRL's
 quantiser itself: flash-llm-rl 1.0.3 (``flash_rl/flash_quantization.py``) keeps the per-channel scales of a

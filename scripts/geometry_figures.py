@@ -205,7 +205,7 @@ def claims_lines(df, preds) -> list[str]:
         wider = sft_width(df)
         wider = wider[wider.H > BASE["H"]]
         if len(wider):  # the rule names the base's width; say what the wider trained points show beside it
-            verdict += (f"; at hidden {BASE['H']} only (k3 ratio " + ", ".join(
+            verdict += (f"; judged at hidden {BASE['H']} (k3 ratio " + ", ".join(
                 f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] at {int(r.H)}"
                 for _, r in wider.iterrows()) + ")")
         rows.append(("R3 cuts the mismatch (tokens with ratio > 2 drop ~10x)", "~10x (R3 paper)", txt, verdict,

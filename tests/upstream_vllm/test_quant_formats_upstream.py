@@ -1,6 +1,6 @@
 """The 4-bit rollout quantisers (moerl.rollout.precision) against the upstream code that defines each
-format, where it imports: compressed-tensors at the version vLLM's CPU build pins, and vLLM's own NVFP4
-reference. The main environment has neither, so precision.py re-encodes the formats; here each one runs
+format, where it imports: compressed-tensors at the version vLLM's CPU build pins (0.17.0, also the pin of
+vLLM 0.24.0, the cluster's), and vLLM's own NVFP4 reference. The main environment has neither, so precision.py re-encodes the formats; here each one runs
 beside the library code the engines use.
 
 - ``fp8`` (e4m3, a scale per output channel) and ``int4`` (W4A16, groups of 128): compressed-tensors' qparams,

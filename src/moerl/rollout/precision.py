@@ -3,8 +3,8 @@ rounded. Each quantised precision is a mechanism production RL systems run, weig
 
 | precision | weights | as run by |
 |---|---|---|
-| ``fp8``   | e4m3, one scale per output channel (amax / 448) | vLLM ``quantization="fp8"`` / llm-compressor ``FP8_DYNAMIC`` channel scales on GPUs without FP8 GEMMs (FP8 Marlin); NeMo-RL and slime FP8 rollouts |
-| ``int8``  | symmetric int8, one scale per output channel (amax / 127) | FlashRL's INT8 rollouts (vLLM W8A16, the setting its truncated importance sampling was introduced for) |
+| ``fp8``   | e4m3, one scale per output channel (amax / 448) | channel-scale FP8 checkpoints (llm-compressor) on vLLM's FP8 Marlin, weight-only; verl's and NeMo-RL's FP8 rollouts use 128 x 128 weight blocks with FP8 activations, and vLLM's online ``quantization="fp8"`` one weight scale per tensor (``Fp8PerTensorOnlineLinearMethod``) |
+| ``int8``  | symmetric int8, one scale per output channel (amax / 127) | the format of FlashRL's INT8 rollouts, the setting its truncated importance sampling was introduced for (below: how FlashRL's own quantiser differs) |
 | ``nvfp4`` | e2m1 values in blocks of 16 along the input, one e4m3 scale per block, one fp32 scale per tensor | NVIDIA's NVFP4 (vLLM ``ref_nvfp4_quant`` convention: global scale 448·6 / amax); QeRL's 4-bit LoRA RL rollouts |
 | ``int4``  | symmetric int4 in groups of 128 along the input, scale = group amax / 7.5, values clamped to [-8, 7] | compressed-tensors ``W4A16`` (``calculate_qparams``, symmetric), run by vLLM's Marlin kernels |
 | ``int4_kimi`` | routed experts only: symmetric int4 in groups of 32, scale = bf16(group amax / 7), values in [-7, 7] | Kimi-K2-Thinking's native INT4 release (below) |

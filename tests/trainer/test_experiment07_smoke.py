@@ -105,31 +105,35 @@ def test_registered_grids_run_every_run_on_the_registered_rollout_path(mode="con
     assert all(" rollout.decode=loop " in line and " trainer.eval_samples=8" in line for line in planned)
 
 
-def test_registered_grids_start_seed_by_seed():
+def test_registered_grids_start_seed_by_seed(tmp_path):
     """A registered grid that stops early leaves every arm, and every mechanism rung, with the same seeds:
-    the plan reaches seed k of every arm before seed k + 1 of any."""
+    ``launch.sh`` asks its sweeps for seed-by-seed order (``sweep.py --order seed``, tested in
+    tests/analysis/test_sweep.py) and runs the mechanism rungs inside a loop over seeds. Read from the sweep
+    commands launch.sh issues, through a stand-in python that prints them (the real plans are slow to build)."""
     import os
     import re
     import subprocess
     import sys
 
-    def planned(mode):
-        out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode, "--dry-run"], capture_output=True,
-                             text=True, env={**os.environ, "PYTHON": sys.executable}, cwd=ARMS.parents[2])
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "SWEEP $*"\n')
+    fake.chmod(0o755)
+
+    def sweeps(mode):
+        out = subprocess.run(["bash", str(ARMS.parent / "launch.sh"), mode], capture_output=True, text=True,
+                             env={**os.environ, "PYTHON": str(fake)}, cwd=ARMS.parents[2])
         assert out.returncode == 0, out.stderr
-        return [line for line in out.stdout.splitlines() if "scripts/run.py" in line]
+        return [line for line in out.stdout.splitlines() if line.startswith("SWEEP scripts/sweep.py")]
 
-    def seeds(lines):
-        return [int(re.search(r"--seed (\d+)", line).group(1)) for line in lines]
-
-    fp8 = [line for line in planned("confirm") if "rollout.dtype=fp8" in line]
-    assert seeds(fp8) == sorted(seeds(fp8)) and seeds(fp8)[:5] == [0] * 5
-    mechanism = planned("mechanism")
-    assert len(mechanism) == 5 * 2 * 5 + 3 * 5
-    assert seeds(mechanism) == sorted(seeds(mechanism)) and seeds(mechanism)[:13] == [0] * 13
-    first_seed = " ".join(mechanism[:13])
-    assert all(f"rollout.dtype={rung}" in first_seed for rung in MECHANISM_RUNGS)
-    assert all(f"arms/{arm}.yaml" in first_seed for arm in QAT_ARMS)
+    confirm = sweeps("confirm")
+    assert len(confirm) == 3 and all("--order seed" in line for line in confirm[1:])
+    mechanism = sweeps("mechanism")
+    assert len(mechanism) == 5 * (len(MECHANISM_RUNGS) + 1)
+    seeds = [int(re.search(r"--seed-list (\d+)", line).group(1)) for line in mechanism]
+    assert seeds == sorted(seeds) == [s for s in range(5) for _ in range(len(MECHANISM_RUNGS) + 1)]
+    first = mechanism[:len(MECHANISM_RUNGS) + 1]
+    assert [re.search(r"rollout\.dtype=(\w+)", line).group(1) for line in first[:-1]] == list(MECHANISM_RUNGS)
+    assert all(arm in first[-1] for arm in QAT_ARMS)
 
 
 def test_registered_mechanism_grid_names_configs_that_load():

@@ -105,14 +105,19 @@ def test_cluster_launchers_use_the_chosen_python(experiment, fake_python):
     assert log.read_text().splitlines()[-1] == f"-m moerl.verl_ext.launch experiments/{experiment} --dry-run"
 
 
+def test_cluster_launcher_names_a_missing_experiment():
+    done = launch("scripts/cluster_launch.sh", "05_nope", "--dry-run")
+    assert done.returncode == 2 and "expected an experiment folder name under experiments/, got '05_nope'" in done.stderr
+
+
 def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python):
     """After the README's set-up (.venv, no PYTHON), a cluster launcher's --dry-run runs on the checkout's
     .venv when python3 has no moerl; before, it stopped with "moerl is not installed"."""
     python, log = fake_python
     experiment = CLUSTER[-1]
-    (tmp_path / "experiments" / experiment).mkdir(parents=True)
-    (tmp_path / "experiments" / experiment / "launch.sh").write_text(
-        (REPO / "experiments" / experiment / "launch.sh").read_text())
+    for script in (f"experiments/{experiment}/launch.sh", "scripts/cluster_launch.sh"):
+        (tmp_path / script).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / script).write_text((REPO / script).read_text())
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").symlink_to(python)
     (tmp_path / "bin").mkdir()

@@ -3,20 +3,5 @@
 #   ./launch.sh [--arm X] [--seed N] [--dry-run] [hydra.key=value ...]
 # Single node: run as is. Multi-node: start Ray on every node first and export RAY_ADDRESS
 # (scripts/slurm_verl.sbatch does both, after checking every node with scripts/check_cluster_env.py).
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-export MOERL_REPO="${MOERL_REPO:-$PWD}"
-# The cluster environment's Python ($PYTHON, e.g. a container's or a venv's), never a bare `python`.
-# Unset: python3 (a cluster image's), or, where python3 has no moerl, this checkout's .venv (the CPU
-# stack of scripts/setup_env.sh: enough for --dry-run on a workstation).
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && ! python3 -c "import moerl" 2>/dev/null && [ -x .venv/bin/python ]; then
-    PY=.venv/bin/python
-    echo "launch.sh: python3 has no moerl; using $PY (set PYTHON to choose another)" >&2
-fi
-if ! "$PY" -c "import moerl" 2>/dev/null; then
-    echo "error: moerl is not installed in this environment; Ray workers import it (reward, losses)." >&2
-    echo "fix: $PY -m pip install --no-deps -e . (on every node, or in the shared environment)" >&2
-    exit 1
-fi
-exec "$PY" -m moerl.verl_ext.launch "experiments/$(basename "$(dirname "$0")")" "$@"
+# The Python it uses: $PYTHON, else python3, else this checkout's .venv (scripts/cluster_launch.sh).
+exec bash "$(dirname "$0")/../../scripts/cluster_launch.sh" "$(basename "$(cd "$(dirname "$0")" && pwd)")" "$@"

@@ -506,14 +506,20 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def registration_markdown() -> str:
+def registration_markdown(every_run: list[dict]) -> str:
     """The registered rules of the grids that have run: when each was first written, every amendment, and
-    whether the value the verdicts use was set before the grid's first run (moerl.analysis.registration)."""
+    whether the value the verdicts use was set before the grid's first run (moerl.analysis.registration).
+    The grids on the registered rollout path are judged from their own runs, the earlier grids from theirs
+    (a path grid's fp8 baseline would otherwise count as a run of the main grid)."""
     reg = registration()
+    path_runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is not None]
+    on_path = Registration(analysis_path(EXPERIMENT), runs=path_runs)
+    earlier = set(REGISTERED["grids"]) - set(confirmatory.PATH_GRIDS)
     return "\n".join(["", f"Registered analysis (`experiments/{EXPERIMENT}/analysis.yaml`, sha256 {reg.sha256[:12]}): "
                        "each rule of a grid that has run, the commit that first wrote it, its amendments, and whether "
                        "the value used was set before the grid's first run (post hoc otherwise):", "",
-                       *reg.timeline(started_only=True), ""])
+                       *reg.timeline(started_only=True, grids=earlier),
+                       *on_path.timeline(started_only=True, grids=set(confirmatory.PATH_GRIDS), header=False), ""])
 
 
 def power_plan(table: dict[str, dict]) -> str:
@@ -736,7 +742,7 @@ def main() -> None:
     table = grid(runs)
     shifts = thresholds(runs, table)
     text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
-            + power_plan(table) + confirmatory_markdown(every_run) + registration_markdown())
+            + power_plan(table) + confirmatory_markdown(every_run) + registration_markdown(every_run))
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
                                                 default=str) + "\n")

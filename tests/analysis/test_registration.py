@@ -65,6 +65,22 @@ def test_a_rule_edited_after_the_first_run_is_post_hoc(repo):
     assert "post hoc" in "\n".join(reg.timeline())
 
 
+def test_the_timeline_lists_only_started_grids_of_those_asked(repo):
+    """The report joins two timelines (the earlier grids, the grids on the registered rollout path): each
+    keeps to its grids, and only the first brings the table's header."""
+    path = analysis_path("x", repo)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"experiment": "x", "grids": {"old": {"arms": ["r3"]}, "new": {"arms": ["tis"]}},
+                                    "rules": {"margin": {"value": 0.05, "grids": ["old", "new"]}}}))
+    commit(repo, at(1), "register")
+    run = {"arm": "tis", "rung": None, "registration": registration_record("x", repo, now=at(2))}
+    reg = Registration(path, repo, runs=[run])
+    assert [line.split(" | ")[1] for line in reg.timeline(started_only=True)[2:]] == ["new (first run 2026-01-01 02:00 UTC)"]
+    assert reg.timeline(started_only=True, grids={"old"}) == reg.timeline()[:2]  # header only: "old" has no run
+    rows = reg.timeline(grids={"new"}, header=False)
+    assert len(rows) == 1 and rows[0].startswith("| margin | new ")
+
+
 def test_a_run_that_recorded_an_older_version_is_judged_against_it(repo):
     path = analysis_path("x", repo)
     write(path, 0.05)

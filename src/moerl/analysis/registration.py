@@ -272,12 +272,15 @@ class Registration:
         found = [self.status(r, grid) for r in rids]
         return "; ".join(s.label() for s in found if s.post_hoc)
 
-    def timeline(self, started_only: bool = False) -> list[str]:
+    def timeline(self, started_only: bool = False, grids: set[str] | None = None, header: bool = True) -> list[str]:
         """Markdown lines: each rule with its registration, its amendments and, per grid it judges,
-        whether its current value is pre-registered or post hoc there (``started_only``: grids with runs)."""
+        whether its current value is pre-registered or post hoc there (``started_only``: grids with runs;
+        ``grids``: only these; ``header``: the table's two header lines first)."""
         lines = []
         for rid, rule in self.rules.items():
             for grid in rule["grids"]:
+                if grids is not None and grid not in grids:
+                    continue
                 s = self.status(rid, grid)
                 if started_only and s.grid_started is None:
                     continue
@@ -286,4 +289,5 @@ class Registration:
                 lines.append(f"| {rid} | {grid} (first run {start}) | `{json.dumps(s.value, default=str)}` | "
                              f"{s.first_commit or '—'} | {history or '—'} | "
                              f"{'**post hoc** — ' + s.why if s.post_hoc else 'pre-registered'} |")
-        return ["| rule | grid | value | first written | amendments | status |", "|---|---|---|---|---|---|", *lines]
+        head = ["| rule | grid | value | first written | amendments | status |", "|---|---|---|---|---|---|"]
+        return (head if header else []) + lines

@@ -564,7 +564,7 @@ def _record_locked(out_dir: Path, entry: dict) -> Path:
     data["invocations"].append(entry)
     data["total_wall_seconds"] = sum(i["wall_seconds"] for i in data["invocations"] if i["ran"])
     runs = data.setdefault("runs", {})
-    for r in entry["results"]:
+    for r in entry.get("results", []):
         if r["rc"] is None or r["action"] == "warm_start":
             continue
         slot = runs.setdefault(f"{r['arm']}/seed{r['seed']}", {"seconds": 0.0, "attempts": 0})
@@ -662,9 +662,12 @@ def sweep(argv: list[str] | None = None) -> int:
     results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log, j.run_dir) for j in jobs if j.action == "skip"]
     from moerl.tracking import git_sha
 
+    # An invocation that found every run finished is recorded in one line's worth (its runs are listed
+    # by the invocations that ran them): a resumed grid's launcher re-visits its finished sweeps each time.
     path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(ran), "jobs": n_jobs,
                             "threads_per_job": threads, "cores": cores, "ray": args.ray, "git_sha": git_sha(),
-                            "seeds": seeds, "overrides": overrides, "results": [asdict(r) for r in results]})
+                            "seeds": seeds, "overrides": overrides,
+                            **({"results": [asdict(r) for r in results]} if ran else {"all_finished": len(results)})})
     print(table(results))
     failed = [r for r in results if r.rc not in (None, 0)]
     print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed; recorded in {path}")

@@ -189,6 +189,7 @@ def test_sweep_runs_resumes_and_skips(tmp_path, fake_run, fake_warm_start, monke
     assert sweep.main(argv) == 0
     data3 = json.loads((exp_out / "sweep.json").read_text())
     assert not data3["invocations"][-1]["ran"] and data3["total_wall_seconds"] == data["total_wall_seconds"]
+    assert data3["invocations"][-1]["all_finished"] == len(data["runs"]) == 8 and "results" not in data3["invocations"][-1]
     assert len((ws / "calls.txt").read_text().split()) == 2  # cached now: never retrained
 
 

@@ -92,3 +92,22 @@ def test_a_kill_inside_the_truncation_loses_no_row(tmp_path, kill_at, reference_
     assert read_metrics(metrics) == before
     GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
     assert_identical_runs(reference_run, cfg.run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["qat_int4_r3"])
+def test_a_fake_int4_trainer_resumes_exactly(tmp_path, kill_at, arm):
+    """Experiment 07's trainer-side fake-INT4 arms (frozen masters rounded onto the engine's grid when the
+    trainer is built, replayed routes) are recorded across sessions, each session's end a kill: the resumed
+    run must log what the uninterrupted one logs."""
+    path = f"experiments/07_dose_threshold/arms/{arm}.yaml"
+    reference = load_config(path, overrides(tmp_path / "reference"))
+    GRPOTrainer(reference, reference.run_dir, progress=False).train()
+    cfg = load_config(path, overrides(tmp_path / "killed"))
+    kill_at("step", 3)  # inside step 3: resumes from step 2's checkpoint
+    trainer = GRPOTrainer(cfg, cfg.run_dir, progress=False)
+    with pytest.raises(Killed):
+        trainer.train()
+    trainer.tracker.close()
+    GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
+    assert_identical_runs(reference.run_dir, cfg.run_dir)

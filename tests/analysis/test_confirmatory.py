@@ -68,6 +68,13 @@ def test_regime_rule_against_its_noise():
     assert out["verdict"] == "yes" and out["gain"]["n"] == 12 and out["gain"]["low"] > 0.05
     flat = [run("fp32_control", "fp32", s, end=0.55 + 0.02 + rng.normal(0, 0.02)) for s in range(12)]
     assert confirmatory.report(flat, REGISTERED, RULES)["verdicts"]["confirmatory_control"]["regime"]["verdict"] == "no"
+    at = out["power"]
+    assert at["effect"] == RULES["control_gain"] and at["threshold"] == 0.05
+    # the t rule's power from the seeds' own sd (~0.02 here): a 0.05 lead over 12 seeds is detected almost surely
+    assert at["value"] == pytest.approx(confirmatory.power.power_t(0.10, 0.05, np.std(
+        [r["pass1_end"] - r["pass1_start"] for r in learns], ddof=1), 12, 0.05))
+    assert "power 1.00 at a true +0.100 (true mean gain, the earlier grids' control_gain); reaches 80 %" in \
+        confirmatory.markdown(confirmatory.report(learns, REGISTERED, RULES), registered=REGISTERED)
     learns[3]["collapse_step"] = 210
     out = confirmatory.report(learns, REGISTERED, RULES)["verdicts"]["confirmatory_control"]["regime"]
     assert out["verdict"] == "no" and out["collapsed_seeds"] == [3]
@@ -96,10 +103,14 @@ def test_fp8_comparisons_follow_the_registered_rules():
     assert out["tis helps"]["verdict"] == "not tested"
     assert out["icepop helps"]["verdict"] in ("no", "inconclusive")
     assert out["r3_tis like_control"]["verdict"] == "no"  # 0.62 vs 0.70: below by more than the margin
-    assert 0 < out["r3 helps"]["power_at_smallest_effect"] <= 1
+    assert 0 < out["r3 helps"]["power"]["value"] <= 1 and out["r3 helps"]["power"]["effect"] == 0.025
+    like = out["r3 like_control"]["power"]
+    assert like["effect"] == 0.0 and like["threshold"] == -0.05 and like["value"] > 0.99  # sd ~0.014, 12 seeds
     assert out["r3 helps"]["n"] == 12 and out["r3 helps"]["low"] < 0.07 < out["r3 helps"]["high"]
     text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES))
     assert "r3 helps | yes" in text and "tis helps | not tested" in text
+    behind = next(line for line in text.splitlines() if line.startswith("| baseline behind control |"))
+    assert "power 1.00 at a true +0.025 (the registered smallest effect); reaches 80 %" in behind
 
 
 def test_fp8_like_control_needs_a_learning_control():
@@ -125,7 +136,7 @@ def test_drift_at_600_steps():
     controls = [run("fp32_control", "fp32", s, end=0.70) for s in range(12)]
     out = confirmatory.report(base + arms + controls, REGISTERED, RULES)["verdicts"]
     drift = out["confirmatory_nvfp4_600"]
-    assert drift["tis keeps_drifting"]["verdict"] == "yes"
+    assert drift["tis keeps_drifting"]["verdict"] == "yes" and drift["tis keeps_drifting"]["power"]["n"] == 5
     assert drift["icepop keeps_drifting"]["verdict"] == "no"
     assert drift["r3_tis keeps_drifting"]["verdict"] == "inconclusive"
 
@@ -240,7 +251,12 @@ def test_mechanism_comparisons_follow_the_registered_rules():
     helps = mech["qat_int4_r3 helps over r3 at int4_kimi"]
     assert helps["verdict"] == "yes" and helps["difference"] == "qat_int4_r3 - r3"
     assert helps["n"] == 5 and 0 < helps["low"] < 0.10 < helps["high"]
-    assert 0 < helps["power_at_smallest_effect"] <= 1
+    assert 0 < helps["power"]["value"] <= 1
+    # every verdict carries its power: an every-seed rule's is q ** n at the assumed per-seed chances
+    assert all(v.get("power") for v in mech.values())
+    assert mech["baseline collapses at int4_experts"]["power"]["every_seed"] == {0.9: pytest.approx(0.9 ** 5),
+                                                                               0.95: pytest.approx(0.95 ** 5)}
+    assert mech["qat_int4 like_control"]["power"]["effect"] == 0.0
     assert not any("ungated" in v for v in mech.values())  # the regime holds: nothing gated
     far = confirmatory.report(mechanism_grid(np.random.default_rng(4), qat_behind_control=0.15), REGISTERED, RULES)
     assert far["verdicts"]["mechanism"]["qat_int4 like_control"]["verdict"] == "no"  # 0.15 below the control
@@ -264,7 +280,7 @@ def test_mechanism_verdicts_need_a_learning_control():
     assert mech["qat_int4_r3 helps over r3 at int4_kimi"]["verdict"] == "yes"
     text = confirmatory.markdown(out)
     assert ("| baseline collapses at nvfp4_experts | not tested | — | 5 | collapsed seeds [0, 1, 2, 3, 4]; "
-            "gated: the control's regime verdict is no (ungated: yes) |") in text
+            "gated: the control's regime verdict is no (ungated: yes); power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 % |") in text
 
 
 def test_mechanism_markdown_with_its_post_hoc_labels():
@@ -277,8 +293,8 @@ def test_mechanism_markdown_with_its_post_hoc_labels():
 
     text = confirmatory.markdown(out, label=label, registered=REGISTERED)
     assert "**mechanism**" in text
-    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; *post hoc " \
-           "(collapse: set by abc1234)* |" in text
+    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; " \
+           "power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 %; *post hoc (collapse: set by abc1234)* |" in text
     assert "| qat_int4_r3 helps over r3 at int4_kimi | yes | +0.1" in text
     # only the rules registered for the mechanism grid are looked up (prevents_collapse_seeds judges the main grid)
     assert (("collapse", "regime_t"), "mechanism") in seen and (("helps_t",), "mechanism") in seen

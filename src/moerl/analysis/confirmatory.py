@@ -33,6 +33,10 @@ counting collapsed seeds -- collapse against no collapse is a large effect, and 
   seed of the arm collapsed, no when as many did, partly when fewer;
 - ``like_control_t`` against the confirmatory control and ``helps_t`` between two arms at one rung, as above,
   the latter with its power at the registered smallest effect from the grid's own pooled paired spread.
+Every verdict carries its power beside its interval: a t rule's at an assumed true effect named beside it
+(the registered smallest effect for "helps" and "behind", no true difference for "like the control", the
+earlier grids' ``control_gain`` for the regime) from the grid's own paired spread; an every-seed rule's as
+q ** n at assumed per-seed chances q (EVENT_PROBABILITIES); each says whether it reaches the registered 80 %.
 The verdicts that need a learning control (collapses, prevents collapse, like the control -- here and at
 fp8) read "not tested" unless the confirmatory control's ``regime_t`` verdict is yes; the ungated verdict is kept beside
 them. Every registered (arm, rung) also gets an exploratory row (collapsed seeds, mean final pass@1 with its
@@ -90,6 +94,31 @@ class Grid:
     def planned(self) -> list[tuple[str, str, int]]:
         """Every registered (arm, rung, seed) of the grid."""
         return [(a, r, s) for a in self.arms for r in self.only.get(a, self.rungs) for s in self.seeds]
+
+
+# An every-seed verdict (collapses, prevents collapse, keeps drifting) needs its event in each of n seeds:
+# its power is q ** n for a per-seed probability q of the event. No q is registered, so the power is shown
+# at these two, each named beside it.
+EVENT_PROBABILITIES = (0.9, 0.95)
+
+
+def t_power(effect: float, threshold: float, sd: float, n: int, alpha: float, assumed: str) -> dict | None:
+    """Power of a t-rule verdict (moerl.analysis.power.power_t) at an assumed true ``effect``, from the
+    grid's own paired sd; None where the sd or the seeds are too few to say."""
+    if not sd == sd or n < 2:
+        return None
+    return {"value": power.power_t(effect, threshold, sd, n, alpha), "effect": effect, "threshold": threshold,
+            "assumed": assumed}
+
+
+def every_seed_power(n: int) -> dict:
+    """Power of an every-seed verdict over ``n`` seeds at each of EVENT_PROBABILITIES."""
+    return {"every_seed": {q: q ** n for q in EVENT_PROBABILITIES}, "n": n}
+
+
+def _pooled_sd(groups: list[dict[int, float]]) -> float:
+    """The pooled paired sd of several arms' per-seed differences (each centred on its own mean)."""
+    return power.pooled_sd([list(d.values()) for d in groups if len(d) >= 2])[0]
 
 
 def rules_of(registered: dict) -> dict:
@@ -161,15 +190,20 @@ def _interval(values: dict[int, float]) -> dict:
             "low": interval[1] if interval else None, "high": interval[2] if interval else None}
 
 
-def regime(controls: dict[int, dict], rule: dict) -> dict:
+def regime(controls: dict[int, dict], rule: dict, assumed_gain: float | None = None) -> dict:
     """``regime_t``: the control's mean gain has its one-sided lower bound above the registered value and
-    no seed collapsed."""
+    no seed collapsed; its power at a true mean gain of ``assumed_gain`` (the earlier grids' ``control_gain``)
+    from the seeds' own spread."""
     gains = {s: g for s, r in controls.items() if (g := _gain(r)) is not None}
     collapsed = sorted(s for s, r in controls.items() if r.get("collapse_step") is not None)
-    verdict = power.t_verdict(gains.values(), rule["lower_bound_above"], alpha=1 - rule["level"])
+    alpha = 1 - rule["level"]
+    verdict = power.t_verdict(gains.values(), rule["lower_bound_above"], alpha=alpha)
     if rule.get("no_collapse") and collapsed:
         verdict = "no"
-    return {"verdict": verdict, "gain": _interval(gains), "collapsed_seeds": collapsed}
+    sd = float(np.std(list(gains.values()), ddof=1)) if len(gains) >= 2 else float("nan")
+    at = None if assumed_gain is None else t_power(assumed_gain, rule["lower_bound_above"], sd, len(gains), alpha,
+                                                   "true mean gain, the earlier grids' control_gain")
+    return {"verdict": verdict, "gain": _interval(gains), "collapsed_seeds": collapsed, "power": at}
 
 
 def _acted(arm: str, runs: dict[int, dict], rule: dict) -> tuple[str | None, list[float], bool | None]:
@@ -195,12 +229,16 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
     alpha = 1 - helps["level"]
     final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
     out = {}
+    arms = registered["grids"][grid]["arms"]
+    # the noise model's paired sds (moerl.analysis.power): every arm - baseline, every arm - control
+    sd = _pooled_sd([_paired(_by_seed(runs, grid, arm, "fp8", registered), baseline, final)
+                     for arm in arms if arm != "baseline"])
+    sd_control = _pooled_sd([_paired(_by_seed(runs, grid, arm, "fp8", registered), control, final) for arm in arms])
     behind = _paired(control, baseline, final)
     out["baseline behind control"] = {"verdict": power.t_verdict(behind.values(), 0.0, alpha=alpha),
-                                      "difference": "control - baseline", **_interval(behind)}
-    spread = [d for d in (_paired(_by_seed(runs, grid, arm, "fp8", registered), baseline, final)
-                          for arm in registered["grids"][grid]["arms"] if arm != "baseline") if len(d) >= 2]
-    sd, _ = power.pooled_sd([list(d.values()) for d in spread])
+                                      "difference": "control - baseline", **_interval(behind),
+                                      "power": t_power(helps["smallest_effect"], 0.0, sd_control, len(behind), alpha,
+                                                       "the registered smallest effect")}
     for comparison in rules["confirmatory_comparisons"][grid]:
         arm, kind = comparison.split(" ", 1)
         if arm == "baseline":
@@ -210,7 +248,10 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             diff = _paired(mine, control, final)
             verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
             out[comparison] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
-                                             "difference": f"{arm} - control", **_interval(diff)}, regime_verdict)
+                                             "difference": f"{arm} - control", **_interval(diff),
+                                             "power": t_power(0.0, -like["margin"], sd_control, len(diff),
+                                                              1 - like["level"], "no true difference")},
+                                            regime_verdict)
         elif kind == "helps":
             diff = _paired(mine, baseline, final)
             measure, shares, acted = _acted(arm, mine, acts)
@@ -221,9 +262,8 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff),
                                "acts_on": {"measure": measure, "min": min(shares) if shares else None,
                                            "floored": acted is not None},
-                               "power_at_smallest_effect": (
-                                   power.power_t(helps["smallest_effect"], helps["threshold"], sd, n, alpha)
-                                   if sd == sd and n >= 2 else None)}
+                               "power": t_power(helps["smallest_effect"], helps["threshold"], sd, n, alpha,
+                                                "the registered smallest effect")}
     return out
 
 
@@ -239,7 +279,7 @@ def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
         _, _, acted = _acted(arm, mine, rules["acts_on_per_mechanism"])
         growth = [r["k3_growth"] for r in mine.values() if r.get("k3_growth") is not None]
         out[comparison] = {"verdict": keeps_drifting(growth, base_growth, acted), "k3_growth": growth,
-                           "baseline_k3_growth": base_growth}
+                           "baseline_k3_growth": base_growth, "power": every_seed_power(len(growth))}
     return out
 
 
@@ -252,7 +292,7 @@ def collapses(runs: dict[int, dict]) -> dict:
     collapsed, n = _collapsed(runs), len(runs)
     verdict = (NOT_TESTED if not n else YES if len(collapsed) == n else NO if not collapsed
                else f"{PARTLY} ({len(collapsed)} of {n})")
-    return {"verdict": verdict, "n": n, "collapsed_seeds": collapsed}
+    return {"verdict": verdict, "n": n, "collapsed_seeds": collapsed, "power": every_seed_power(n)}
 
 
 def prevents_collapse(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
@@ -262,7 +302,8 @@ def prevents_collapse(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
     own = _collapsed(arm)
     base = [s for s in _collapsed(baseline) if s in arm]
     verdict = NOT_TESTED if not base else YES if not own else NO if len(own) >= len(base) else PARTLY
-    return {"verdict": verdict, "n": len(arm), "collapsed_seeds": own, "baseline_collapsed_seeds": base}
+    return {"verdict": verdict, "n": len(arm), "collapsed_seeds": own, "baseline_collapsed_seeds": base,
+            "power": every_seed_power(len(arm))}
 
 
 def _regime_gated(verdict: dict, regime_verdict: str) -> dict:
@@ -322,22 +363,25 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
             elif kind == "like_control":
                 diff = _paired(mine, control, final)
                 verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
+                sd_control = _pooled_sd([_paired(arm_at(a, rung), control, final) for a in grid.arms
+                                         if rung in grid.only.get(a, grid.rungs)])
                 out[key] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
-                                          "difference": f"{arm} - control", **_interval(diff)}, regime_verdict)
+                                          "difference": f"{arm} - control", **_interval(diff),
+                                          "power": t_power(0.0, -like["margin"], sd_control, len(diff),
+                                                           1 - like["level"], "no true difference")},
+                                         regime_verdict)
             else:  # helps over another arm at the same rung, paired by seed
                 alpha = 1 - helps["level"]
                 diff = _paired(mine, arm_at(other, rung), final)
                 # the noise model's paired sd at this rung (moerl.analysis.power): every arm - baseline,
                 # each centred on its own mean, as for the fp8 grid
                 baseline = arm_at("baseline", rung)
-                spread = [d for d in (_paired(arm_at(a, rung), baseline, final) for a in grid.arms
-                                      if a != "baseline" and rung in grid.only.get(a, grid.rungs)) if len(d) >= 2]
-                sd, _ = power.pooled_sd([list(d.values()) for d in spread])
-                n = len(diff)
-                power_at = (power.power_t(helps["smallest_effect"], helps["threshold"], sd, n, alpha)
-                            if sd == sd and n >= 2 else None)
+                sd = _pooled_sd([_paired(arm_at(a, rung), baseline, final) for a in grid.arms
+                                 if a != "baseline" and rung in grid.only.get(a, grid.rungs)])
                 out[key] = {"kind": "helps_over", "verdict": power.t_verdict(diff.values(), helps["threshold"], alpha),
-                            "difference": f"{arm} - {other}", **_interval(diff), "power_at_smallest_effect": power_at}
+                            "difference": f"{arm} - {other}", **_interval(diff),
+                            "power": t_power(helps["smallest_effect"], helps["threshold"], sd, len(diff), alpha,
+                                             "the registered smallest effect")}
     return out
 
 
@@ -366,7 +410,7 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
         out["exploratory"]["mechanism"] = mechanism_table(runs, registered)
     if status.get("confirmatory_control", {}).get("complete"):
         controls = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
-        control_regime = regime(controls, rules["regime_t"])
+        control_regime = regime(controls, rules["regime_t"], rules.get("control_gain"))
         out["verdicts"]["confirmatory_control"] = {"regime": control_regime}
         if status.get("confirmatory_fp8", {}).get("complete"):
             out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules, control_regime["verdict"])
@@ -380,6 +424,20 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
 def _kind(comparison: str) -> str:
     return ("regime" if comparison == "regime" else "behind" if comparison.endswith("behind control")
             else comparison.split(" ", 1)[1])
+
+
+def power_note(at: dict, target: float) -> str:
+    """'power 0.97 at a true +0.025 (why); reaches 80 %' for a t rule; for an every-seed rule its power at
+    each assumed per-seed probability, and whether the registered target is reached."""
+    if "every_seed" in at:
+        values = at["every_seed"]
+        reach = ("reaches" if min(values.values()) >= target else
+                 "below" if max(values.values()) < target else "reaches only at the higher")
+        return (f"power (every seed of {at['n']}) " + ", ".join(f"{p:.2f} at a per-seed chance of {q:g}"
+                                                                 for q, p in values.items())
+                + f"; {reach} {target * 100:.0f} %")
+    reach = "reaches" if at["value"] >= target else "below"
+    return f"power {at['value']:.2f} at a true {at['effect']:+.3f} ({at['assumed']}); {reach} {target * 100:.0f} %"
 
 
 def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
@@ -398,6 +456,7 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
         where = ("—" if not machines else next(iter(machines)) if len(machines) == 1 else
                  f"**{len(machines)} machine kinds**: " + "; ".join(f"{k} ({n})" for k, n in machines.items()))
         lines.append(f"| {name} | {p['planned']} | {p['finished']} | {state} | {where} |")
+    target = (registered or {}).get("rules", {}).get("power", {}).get("value", {}).get("target", power.TARGET_POWER)
     for grid, verdicts in result["verdicts"].items():
         lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",
                   "|---|---|---|---|---|"]
@@ -412,8 +471,8 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
                 notes.append(f"the baseline's collapsed seeds {v['baseline_collapsed_seeds'] or 'none'}")
             if "ungated" in v:
                 notes.append(f"gated: the control's regime verdict is {v['regime']} (ungated: {v['ungated']})")
-            if v.get("power_at_smallest_effect") is not None:
-                notes.append(f"power {v['power_at_smallest_effect']:.2f} at the registered smallest effect")
+            if v.get("power"):
+                notes.append(power_note(v["power"], target))
             if v.get("acts_on", {}).get("min") is not None:
                 notes.append(f"{v['acts_on']['measure']} ≥ {v['acts_on']['min']:.3f}"
                              + ("" if v["acts_on"]["floored"] else " (reported, not floored)"))

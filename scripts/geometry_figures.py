@@ -19,9 +19,9 @@ import pandas as pd
 
 matplotlib.use("Agg")
 
-from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, figure_cluster_extrapolation, figure_flip_along_stack,
-                                   figure_ladders, figure_router_state, fits, gpu_reference_point, ladder, load_points,
-                                   predictions, sft_depth, sft_width)
+from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, default_sft, figure_cluster_extrapolation,
+                                   figure_flip_along_stack, figure_ladders, figure_router_state, fits,
+                                   gpu_reference_point, ladder, load_points, predictions, sft_depth, sft_width)
 from moerl.analysis.results import write_marked_section
 
 
@@ -233,6 +233,8 @@ def gpu_width_lines(geometry) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in pd.concat([cpu, gpu]).iterrows():
         steps = "—" if r.sft_steps != r.sft_steps or r.sft_steps is None else f"{r.sft_steps:.0f}"
+        if r.get("sft_seed") == r.get("sft_seed") and r.get("sft_seed") is not None:
+            steps += f" (seed {int(r.sft_seed)})"
         pass1 = "—" if r.sft_pass1 != r.sft_pass1 or r.sft_pass1 is None else f"{r.sft_pass1:.3f}"
         lines.append(f"| `{r.point}` | {r.device}, {r.kernels} | {int(r.H)} | {int(r.F)} | {steps} | {pass1} | "
                      f"{r.share:.1%} [{r.share_lo:.1%}, {r.share_hi:.1%}] | {r.independence:.1%} | "
@@ -259,6 +261,8 @@ def gpu_measured_lines(cpu: pd.DataFrame, gpu: pd.DataFrame) -> list[str]:
     """What the GPU points measure, as numbers: the share's range per SFT length, the two devices at the
     same width and SFT length, and R3's effect on k3 at hidden >= 256."""
     out = ["Measured (descriptive: no registered rule judges the GPU points):"]
+    others = gpu[gpu.sft_seed.notna()] if "sft_seed" in gpu else gpu.iloc[:0]
+    gpu = default_sft(gpu)
     for steps, rows in gpu.groupby("sft_steps"):
         rows = rows.sort_values("H")
         out.append(f"- {steps:.0f}-step SFT on the GPU: " + ", ".join(
@@ -272,7 +276,16 @@ def gpu_measured_lines(cpu: pd.DataFrame, gpu: pd.DataFrame) -> list[str]:
                        f"CPU {pct(c.share, c.share_lo, c.share_hi)}, GPU {pct(g.share, g.share_lo, g.share_hi)}: "
                        f"{100 * (g.share - c.share):+.1f} points, intervals "
                        f"{'overlap' if overlap else 'disjoint'}.")
-    wide = pd.concat([cpu[cpu.H >= 256], gpu[gpu.H >= 256]])
+    for (hidden, steps), rows in (others.groupby(["H", "sft_steps"]) if len(others) else []):
+        first = gpu[(gpu.H == hidden) & (gpu.sft_steps == steps) & (gpu.F.isin(rows.F))]
+        shares = [(None, r) for _, r in first.iterrows()] + [(int(r.sft_seed), r) for _, r in rows.iterrows()]
+        values = [r.share for _, r in shares]
+        out.append(f"- Between SFTs on the GPU (hidden {int(hidden)}, {steps:.0f} steps, the same data, other initial "
+                   f"weights and batch order): " + ", ".join(
+                       f"{pct(r.share, r.share_lo, r.share_hi)} ({'data seed' if seed is None else f'seed {seed}'}, "
+                       f"SFT pass@1 {r.sft_pass1:.3f})" for seed, r in shares)
+                   + f": {100 * (max(values) - min(values)):.1f} points apart.")
+    wide = pd.concat([cpu[cpu.H >= 256], gpu[gpu.H >= 256], others[others.H >= 256]])
     if len(wide):
         out.append(f"- R3's effect on k3 at hidden >= 256 ({len(wide)} trained points, both devices): native / R3 "
                    f"ratio {wide.k3_ratio.min():.2f}–{wide.k3_ratio.max():.2f}, upper 95 % bounds at most "

@@ -4,6 +4,7 @@ the bf16 rollout on the GPU's own kernels against the fp32 trainer. One prepared
     python scripts/gpu_width_geometry.py --out "$OUT"                    # on a lent GPU (the documented call)
     python scripts/gpu_width_geometry.py --device cpu --smoke --out DIR  # CI-sized: every part on the CPU
     python scripts/gpu_width_geometry.py --figure-only --out results/geometry/gpu   # redraw from the points
+    python scripts/gpu_width_geometry.py --out "$OUT" --widths 256 --sft-steps 400 --sft-seed 1   # another SFT
 
 Each point is the Qwen3-30B-A3B routing (48 MoE layers x 128 experts, top-8, ``moerl.models.geometry``) at
 hidden H with the CPU width ladder's heads (H/32 of 32, H/64 key/value heads) and expert FFN min(H/2, cap).
@@ -26,6 +27,10 @@ the widest point and takes the largest of 400 / 300 / 200 / 100 steps that lets 
 than 400 is named in the points: ``gpu_qwen3_warm200_...``); before each point the guard skips it when
 the time left is below the previous point's wall time (points run widest first, so that is an upper
 bound). The figure is redrawn after every point; a run stopped from outside keeps what had landed.
+
+``--sft-seed N`` trains the SFT from other initial weights and another batch order on the same data: the
+spread between SFTs, beside which a difference between devices (or widths) is read. Its points are named
+``..._sft<N>`` and drawn without a line, hollow, in their ladder's colour.
 """
 from __future__ import annotations
 
@@ -138,8 +143,9 @@ def skip_reason(need_bytes: float, memory_bytes: float, estimate_s: float | None
     return None
 
 
-def point_name(hidden: int, ffn: int, steps: int, smoke: bool) -> str:
-    return f"gpu_{'smoke' if smoke else 'qwen3'}_warm{steps}_h{hidden}_f{ffn}"
+def point_name(hidden: int, ffn: int, steps: int, smoke: bool, sft_seed: int | None = None) -> str:
+    return (f"gpu_{'smoke' if smoke else 'qwen3'}_warm{steps}_h{hidden}_f{ffn}"
+            + ("" if sft_seed is None else f"_sft{sft_seed}"))
 
 
 def point_config(base: ExperimentConfig, model: ModelConfig, steps: int, batch: int) -> ExperimentConfig:
@@ -213,8 +219,10 @@ def seconds_per_sft_step(cfg: ExperimentConfig, device: torch.device, tokenizer,
     return per_step
 
 
-def run_point(name: str, cfg: ExperimentConfig, device: torch.device, rows, prompts: int, extra: dict) -> dict:
-    """Warm start and measure one point; the record scripts/measure_geometry.py writes, plus the device."""
+def run_point(name: str, cfg: ExperimentConfig, device: torch.device, rows, prompts: int, extra: dict,
+              sft_seed: int | None = None) -> dict:
+    """Warm start and measure one point; the record scripts/measure_geometry.py writes, plus the device.
+    ``sft_seed``: the SFT's initial weights and batch order from this seed instead of the data seed."""
     from moerl.analysis.routing_geometry import measure
     from moerl.tracking import git_sha
     from moerl.trainer.warm_start import supervised_warm_start
@@ -223,12 +231,14 @@ def run_point(name: str, cfg: ExperimentConfig, device: torch.device, rows, prom
         name, ("gpu_width",), cfg.model, state="warm",
         warm_start={"steps": cfg.warm_start.steps, "batch_size": cfg.warm_start.batch_size},
         note=f"48 MoE layers x 128, top-8, hidden {cfg.model.hidden_size}, expert FFN "
-             f"{cfg.model.moe_intermediate_size} after a {cfg.warm_start.steps}-step SFT, on {extra['device']['name']}")
+             f"{cfg.model.moe_intermediate_size} after a {cfg.warm_start.steps}-step SFT"
+             f"{'' if sft_seed is None else f' (SFT seed {sft_seed})'}, on {extra['device']['name']}")
     spec = measure_geometry.spec(point, prompts, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    policy, tokenizer, meta = supervised_warm_start(cfg, progress=False, device=device, log_every_s=SFT_LOG_EVERY_S)
+    policy, tokenizer, meta = supervised_warm_start(cfg, progress=False, device=device, log_every_s=SFT_LOG_EVERY_S,
+                                                    init_seed=sft_seed)
     synchronize(device)
     policy_seconds = time.perf_counter() - start
     results = {"bf16": measure(policy, tokenizer, cfg, rows[:prompts], dtype="bf16", seed=point.seed)}
@@ -239,7 +249,8 @@ def run_point(name: str, cfg: ExperimentConfig, device: torch.device, rows, prom
              r["native/k3"], r["r3/k3"])
     record = {"spec": spec, "spec_hash": measure_geometry.spec_hash(spec),
               "policy": {"state": "warm", "warm_start": {k: meta.get(k) for k in
-                                                         ("key", "steps", "test_accuracy", "train_seconds")}},
+                                                         ("key", "steps", "test_accuracy", "train_seconds",
+                                                          "init_seed")}},
               "results": results, "seconds_total": time.perf_counter() - start, "seconds_policy": policy_seconds,
               "threads": torch.get_num_threads(), "git_sha": git_sha(),
               "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -293,6 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall seconds from the start for the whole run")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per point (each sampled group_size times)")
     ap.add_argument("--cpu-points", default="results/geometry", help="the CPU ladder's point JSONs (the figure)")
+    ap.add_argument("--sft-seed", type=int, default=None,
+                    help="seed of the SFT's initial weights and batch order (default: the data seed); the data "
+                         "stay the same: a second SFT, for the spread between SFTs; points named ..._sft<N>")
     ap.add_argument("--smoke", action="store_true", help="tiny widths and steps, every part on the CPU (CI)")
     ap.add_argument("--figure-only", action="store_true", help="redraw the figure from the points under --out")
     args = ap.parse_args(argv)
@@ -315,6 +329,8 @@ def main(argv=None) -> int:
                          f"key/value heads hidden/64)")
     if cap is not None and (cap < 8 or cap % 8):
         raise SystemExit(f"gpu_width_geometry: --expert-ffn-cap {cap}: expected a multiple of 8 (grouped-GEMM strides)")
+    if args.sft_seed is not None and args.sft_seed < 0:
+        raise SystemExit(f"gpu_width_geometry: --sft-seed {args.sft_seed}: expected a seed >= 0")
     if fixed_steps is not None and fixed_steps < 1:
         raise SystemExit(f"gpu_width_geometry: --sft-steps {fixed_steps}: expected a positive number or auto")
     device = resolve_device(args.device, args.smoke)
@@ -342,7 +358,8 @@ def main(argv=None) -> int:
     cap = cap or fit_ffn_cap(widths, memory, tokenizer, smoke=smoke)
     env = environment(device)
     out.mkdir(parents=True, exist_ok=True)
-    run = {"device": env, "widths": widths, "expert_ffn_cap": cap, "budget_s": args.budget_s, "points": [],
+    run = {"device": env, "widths": widths, "expert_ffn_cap": cap, "budget_s": args.budget_s, "sft_seed": args.sft_seed,
+           "points": [],
            "skipped": [], "argv": list(argv if argv is not None else sys.argv[1:])}
     log.info("device %s (%s), expert FFN cap %d, widths %s", env["name"], device, cap, widths)
 
@@ -367,7 +384,7 @@ def main(argv=None) -> int:
     for hidden in widths:
         ffn = expert_ffn(hidden, cap)
         cfg = point_config(base, model_config(hidden, ffn, smoke), steps, batch)
-        name = point_name(hidden, ffn, steps, smoke)
+        name = point_name(hidden, ffn, steps, smoke, args.sft_seed)
         params = parameter_count(cfg.model, tokenizer)
         need = params * ADAMW_BYTES_PER_PARAMETER
         left = args.budget_s - (time.perf_counter() - started)
@@ -381,7 +398,7 @@ def main(argv=None) -> int:
         extra = {"device": env, "parameters": params, "adamw_bytes_estimate": need, "expert_ffn_cap": cap,
                  "sft_steps_choice": run.get("calibration", {"fixed": steps})}
         try:
-            record = run_point(name, cfg, device, test_rows, prompts, extra)
+            record = run_point(name, cfg, device, test_rows, prompts, extra, sft_seed=args.sft_seed)
         except torch.OutOfMemoryError as err:  # the estimate missed: the narrower points may still fit
             reason = f"out of memory: {' '.join(str(err).split())[:200]}"
         if reason:

@@ -206,3 +206,58 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     (empty / "gpu").mkdir(parents=True)
     assert gf.gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "
                                          "(scripts/gpu_width_geometry.py writes them)."]
+
+
+def test_another_sft_seed_is_named_recorded_and_drawn_apart(tmp_path):
+    """--sft-seed: the same SFT from other initial weights and batch order (the spread between SFTs); its
+    points carry the seed in their name and record, and the figure draws them apart from the ladder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from moerl.analysis.geometry_report import figure_gpu_width, gpu_reference_point, load_points
+
+    assert gw.main(["--device", "cpu", "--smoke", "--sft-steps", "2", "--sft-seed", "3", "--out", str(tmp_path),
+                    "--cpu-points", str(CPU_POINTS)]) == 0
+    run = json.loads((tmp_path / gw.RUN_RECORD).read_text())
+    assert run["sft_seed"] == 3
+    assert [p["name"] for p in run["points"]] == ["gpu_smoke_warm2_h64_f16_sft3", "gpu_smoke_warm2_h32_f16_sft3"]
+    rec = json.loads((tmp_path / "gpu_smoke_warm2_h64_f16_sft3.json").read_text())
+    assert rec["policy"]["warm_start"]["init_seed"] == 3 and "(SFT seed 3)" in rec["spec"]["note"]
+    points = load_points(tmp_path, pattern="gpu_*.json")
+    assert set(points.sft_seed) == {3}
+    assert gpu_reference_point(points).point == "gpu_smoke_warm2_h64_f16_sft3"  # no data-seed point: the widest
+    labels = figure_gpu_width(load_points(CPU_POINTS), points).axes[0].get_legend_handles_labels()[1]
+    assert any("from other seeds (3): the spread between SFTs" in label for label in labels)
+    with pytest.raises(SystemExit, match="--sft-seed -1: expected a seed >= 0"):
+        gw.main(["--device", "cpu", "--smoke", "--sft-seed", "-1", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_report_reads_another_sft_seed_as_the_spread_between_sfts(tmp_path):
+    """A point of another SFT seed stays out of the width ladder and the reference point; the report names
+    its seed and states how far the SFTs at one width are apart."""
+    from tests_helpers import load_script
+
+    gf = load_script("scripts/geometry_figures.py", "moerl_geometry_figures_seed_test")
+    geometry = tmp_path / "geometry"
+    (geometry / "gpu").mkdir(parents=True)
+    for path in (ROOT / "results" / "geometry").glob("*.json"):
+        shutil.copy(path, geometry)
+    for path in (ROOT / "results" / "geometry" / "gpu").glob("*.json"):
+        shutil.copy(path, geometry / "gpu")
+    rec = json.loads((geometry / "gpu" / "gpu_qwen3_warm400_h256_f128.json").read_text())
+    first = rec["results"]["bf16"]["all/share"]
+    rec["spec"]["name"] = "gpu_qwen3_warm400_h256_f128_sft1"
+    rec["policy"]["warm_start"]["init_seed"] = 1
+    for key in ("all/share", "all/share_lo", "all/share_hi"):
+        rec["results"]["bf16"][key] -= 0.05
+    (geometry / "gpu" / "gpu_qwen3_warm400_h256_f128_sft1.json").write_text(json.dumps(rec))
+    lines = gf.gpu_width_lines(geometry)
+    row = next(line for line in lines if line.startswith("| `gpu_qwen3_warm400_h256_f128_sft1`"))
+    assert "| 400 (seed 1) |" in row
+    between = [line for line in lines if line.startswith("- Between SFTs on the GPU (hidden 256, 400 steps")]
+    assert len(between) == 1 and "(data seed, SFT pass@1" in between[0] and "(seed 1, SFT pass@1" in between[0]
+    assert between[0].endswith(f": {100 * 0.05:.1f} points apart.") and f"{100 * first:.1f} %" in between[0]
+    ladder = [line for line in lines if line.startswith("- 400-step SFT on the GPU: ")]
+    assert len(ladder) == 1 and ladder[0].count("at hidden 256") == 1  # the ladder keeps the data seed's point
+    assert any("`gpu_qwen3_warm400_h2048_f128`" in line for line in lines if line.startswith("At Qwen3-30B-A3B"))

@@ -13,17 +13,19 @@ TINY = ["data.train_size=64", "data.test_size=4", "warm_start.steps=4", "warm_st
         "rollout.max_new_tokens=4", "model.num_layers=2", "model.num_experts=4", "model.top_k=2"]
 
 
-def reference_sft(cfg):
-    """The warm start's training loop as written before it took a device (one inline loop on the CPU)."""
-    torch.manual_seed(cfg.data.seed)
+def reference_sft(cfg, seed=None):
+    """The warm start's training loop as written before it took a device (one inline loop on the CPU); ``seed``
+    in place of the data seed for the initial weights and the batch order (the data split stays the config's)."""
+    seed = cfg.data.seed if seed is None else seed
+    torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     train_rows, _ = load_splits(cfg.data)
-    model = build_model(cfg.model, tokenizer, seed=cfg.data.seed)
+    model = build_model(cfg.model, tokenizer, seed=seed)
     model.config.output_router_logits = True
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.warm_start.lr, total_steps=cfg.warm_start.steps,
                                                 pct_start=WARM_START_PCT_START)
-    rng = random.Random(cfg.data.seed)
+    rng = random.Random(seed)
     for _ in range(cfg.warm_start.steps):
         ids, mask, labels = sft_batch(rng.sample(train_rows, cfg.warm_start.batch_size), tokenizer, cfg.data.task)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -75,3 +77,19 @@ def test_a_warm_start_without_a_bar_logs_its_progress_when_asked(caplog):
     with caplog.at_level(logging.INFO, logger="moerl.trainer.warm_start"):
         supervised_warm_start(cfg, progress=False)  # not asked: no step lines (a sweep's log stays short)
     assert not [r for r in caplog.records if r.getMessage().startswith("warm start: step ")]
+
+
+def test_another_sft_seed_changes_the_init_and_batch_order_not_the_data(tmp_path):
+    """``init_seed``: a second SFT of the same data (the spread between SFTs, measured on a GPU by
+    scripts/gpu_width_geometry.py --sft-seed); the default is the data seed, bit for bit."""
+    import pytest
+
+    cfg = load_config("experiments/00_tiny_moe_cpu/base.yaml", TINY)
+    other, _, meta = supervised_warm_start(cfg, progress=False, init_seed=cfg.data.seed + 7)
+    reference = reference_sft(cfg, seed=cfg.data.seed + 7).state_dict()
+    assert all(torch.equal(v, reference[k]) for k, v in other.state_dict().items())
+    default = reference_sft(cfg).state_dict()
+    assert not all(torch.equal(v, default[k]) for k, v in other.state_dict().items())
+    assert meta["init_seed"] == cfg.data.seed + 7
+    with pytest.raises(ValueError, match="init_seed with a progress_file"):
+        supervised_warm_start(cfg, progress=False, init_seed=1, progress_file=tmp_path / "progress.pt")

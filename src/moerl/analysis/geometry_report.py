@@ -22,6 +22,7 @@ the probability that the predicted share reaches the paper's 94 % (``share_p94``
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import textwrap
@@ -69,6 +70,8 @@ def load_points(root: str | Path = "results/geometry", pattern: str = "*.json") 
                 "seconds": rec["seconds_total"], "policy": rec["policy"],
                 "sft_steps": ((rec.get("policy") or {}).get("warm_start") or {}).get("steps"),
                 "sft_pass1": (((rec.get("policy") or {}).get("warm_start") or {}).get("test_accuracy") or {}).get("pass1"),
+                # another SFT of the same data (scripts/gpu_width_geometry.py --sft-seed); None: the data seed's
+                "sft_seed": ((rec.get("policy") or {}).get("warm_start") or {}).get("init_seed"),
                 "response_length": r["response_length_mean"],
                 "kernels": r["kernels"], "prompts": r["prompts"], "group_size": r["group_size"]})
     return pd.DataFrame(rows)
@@ -120,10 +123,17 @@ def sft_width(df: pd.DataFrame) -> pd.DataFrame:
 
 def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
     """The GPU point that stands for the real width: the widest bf16 point, and at that width the longest
-    supervised warm start (the CPU's trained ladder is 400 steps, so that point compares like with like)."""
+    supervised warm start (the CPU's trained ladder is 400 steps, so that point compares like with like),
+    of the SFTs from the data seed (the CPU's) where there are any."""
     bf16 = gpu[gpu.rollout == "bf16"] if "rollout" in gpu else gpu
+    bf16 = default_sft(bf16) if len(default_sft(bf16)) else bf16
     steps = bf16.sft_steps.fillna(0) if "sft_steps" in bf16 else 0
     return bf16.assign(_steps=steps).sort_values(["H", "_steps"]).iloc[-1].drop("_steps")
+
+
+def default_sft(points: pd.DataFrame) -> pd.DataFrame:
+    """The points whose SFT ran from the data seed (every CPU point; a GPU call without --sft-seed)."""
+    return points[points.sft_seed.isna()] if "sft_seed" in points else points
 
 
 def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | None:
@@ -546,9 +556,12 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
     if not trained_cpu.empty:
         series.append((trained_cpu, f"CPU, trained routers (400-step SFT), emulated bf16 ({width_ffn(trained_cpu)})",
                        "D", "C5", "C5"))
-    gpu_styles = iter([("s", "C3"), ("^", "C0"), ("v", "C2"), ("P", "C4")])  # one per (GPU, SFT length)
+    gpu_styles = itertools.cycle([("s", "C3"), ("^", "C0"), ("v", "C2"), ("P", "C4")])  # one per (GPU, SFT length)
+    others = gpu[gpu.sft_seed.notna()] if "sft_seed" in gpu else gpu.iloc[:0]
+    gpu = default_sft(gpu)
+    style_of = {}
     for (device, sft_steps), rows in (gpu.groupby([gpu.device, gpu.sft_steps]) if not gpu.empty else []):
-        marker, color = next(gpu_styles)
+        marker, color = style_of[device, sft_steps] = next(gpu_styles)
         series.append((rows, f"{device}: trained routers ({sft_steps:.0f}-step SFT), its own bf16 kernels "
                              f"({width_ffn(rows)})", marker, color, color))
     fig, ax = plt.subplots(figsize=(9, 6.2))
@@ -563,6 +576,13 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
             for _, r in rows.iterrows():
                 ax.annotate(f"{100 * r.share:.1f} %", (r.H, r.share), fontsize=8, color=color,
                             xytext=(5, 6) if above else (5, -13), textcoords="offset points")
+    for (device, sft_steps), rows in (others.groupby([others.device, others.sft_steps]) if len(others) else []):
+        marker, color = style_of.get((device, sft_steps)) or next(gpu_styles)
+        widths |= set(int(h) for h in rows.H)
+        seeds = ", ".join(str(int(x)) for x in sorted(set(rows.sft_seed)))
+        ax.errorbar(rows.H, rows.share, yerr=[rows.share - rows.share_lo, rows.share_hi - rows.share], fmt=marker,
+                    color=color, mfc="none", ms=8, capsize=3,
+                    label=f"{device}: the same {sft_steps:.0f}-step SFT from other seeds ({seeds}): the spread between SFTs")
     ax.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper: 94 % (Qwen3-30B-A3B, hidden 2048, real model)")
     ax.set_xscale("log", base=2)
     ticks = sorted(widths | {2048})

@@ -136,25 +136,33 @@ def sft_optimizer(model, cfg: ExperimentConfig):
 
 
 def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: str | torch.device = "cpu",
-                          progress_file: Path | None = None, log_every_s: float | None = None):
+                          progress_file: Path | None = None, log_every_s: float | None = None,
+                          init_seed: int | None = None):
     """(trained fp32 model, tokenizer, meta): the warm start's SFT from random init and its evaluation by the
     rollout engine, on ``device``, nothing written but ``progress_file``. With it, progress is saved there every
     ``PROGRESS_EVERY_SECONDS`` and a saved SFT of the same key is continued (``train_warm_start``, which saves
     the result to the cache); a caller on a borrowed GPU passes none and keeps the model in memory, and
-    ``log_every_s`` so that a run cut off by its time limit still shows how far the SFT got."""
+    ``log_every_s`` so that a run cut off by its time limit still shows how far the SFT got. ``init_seed``
+    (default: the config's data seed) seeds the initial weights and the batch order only, the data split
+    staying the config's: another SFT of the same data, for the spread between SFTs. Saved progress is keyed
+    by the config alone, so the two are not combined."""
     from tqdm import tqdm
 
     from moerl import faults
 
+    if init_seed is not None and progress_file is not None:
+        raise ValueError("supervised_warm_start: init_seed with a progress_file (saved SFT progress is keyed by "
+                         "the config alone); pass one or the other")
+    seed = cfg.data.seed if init_seed is None else init_seed
     device = torch.device(device)
-    torch.manual_seed(cfg.data.seed)
+    torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     train_rows, test_rows = load_splits(cfg.data)
-    model = build_model(cfg.model, tokenizer, seed=cfg.data.seed, device=device)
+    model = build_model(cfg.model, tokenizer, seed=seed, device=device)
     model.config.output_router_logits = True  # adds the load-balancing aux loss during SFT
     opt, sched = sft_optimizer(model, cfg)
     steps = cfg.warm_start.steps
-    rng = random.Random(cfg.data.seed)
+    rng = random.Random(seed)
     key = warm_start_key(cfg)
     done, earlier = (0, 0.0) if progress_file is None else _load_progress(progress_file, key, steps, model, opt,
                                                                          sched, rng)
@@ -193,6 +201,8 @@ def supervised_warm_start(cfg: ExperimentConfig, progress: bool = True, device: 
             "config": {"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": to_dict(cfg.warm_start)}}
     if device.type != "cpu":
         meta["device"] = str(device)
+    if init_seed is not None:
+        meta["init_seed"] = init_seed
     return model, tokenizer, meta
 
 

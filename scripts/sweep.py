@@ -13,7 +13,8 @@ checkpoint is moved aside, never deleted). Each of the N concurrent runs gets
 ``threads = max(1, cores // N)`` (torch threads and OMP/MKL env), so N runs share the machine
 instead of oversubscribing it. Every run writes a log to ``<output>/<experiment>/sweep_logs/``.
 The sweep's wall time and each run's time are appended to ``<output>/<experiment>/sweep.json``
-(one entry per invocation; scripts/write_results.py reports the total).
+(one entry per invocation, written when it starts and after every run that lands, so a sweep stopped
+from outside keeps the runs it finished; scripts/write_results.py reports the total).
 
 The sweep owns its runs: each is started in a process group of its own and dies with the sweep
 (SIGTERM or SIGINT to the sweep stops them, and a sweep killed with SIGKILL takes them along through
@@ -35,10 +36,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_SCRIPT = REPO / "scripts" / "run.py"
@@ -414,7 +417,9 @@ def _report(done: int, total: int, r: Result) -> None:
     print(f"[sweep {done}/{total}] {what}: {status} in {r.seconds:.0f} s", flush=True)
 
 
-def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0) -> list[Result]:
+def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0,
+              on_result: Callable[[Result], None] | None = None) -> list[Result]:
+    """Run ``jobs``, ``n_jobs`` at a time; ``on_result`` is called with each result as it lands."""
     results: list[Result] = []
     futures = []
     now_running: dict[str, Job] = {}  # by log path: the runs the heartbeat reports on
@@ -440,6 +445,8 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0) 
             for fut in as_completed(futures):
                 results.append(fut.result())
                 _report(len(results), len(jobs), results[-1])
+                if on_result is not None:
+                    on_result(results[-1])
     finally:  # an error or a signal in the sweep leaves no run behind
         if not all(f.done() for f in futures):
             for f in futures:
@@ -448,7 +455,8 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0) 
     return results
 
 
-def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0) -> list[Result]:
+def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0,
+            on_result: Callable[[Result], None] | None = None) -> list[Result]:
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -472,13 +480,14 @@ def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0) -> list[Result]
         return out
 
     with Heartbeat(heartbeat, running, len(jobs), results, len(jobs)):
-        _wait_ray(pending, results, len(jobs))
+        _wait_ray(pending, results, len(jobs), on_result)
     if not address:
         ray.shutdown()
     return results
 
 
-def _wait_ray(pending: dict, results: list[Result], total: int) -> None:
+def _wait_ray(pending: dict, results: list[Result], total: int,
+              on_result: Callable[[Result], None] | None = None) -> None:
     import ray
 
     while pending:
@@ -490,6 +499,8 @@ def _wait_ray(pending: dict, results: list[Result], total: int) -> None:
             results.append(Result(job.arm, job.seed, job.action, -1, float("nan"), f"{job.log} (ray: {err})",
                                   job.run_dir))
         _report(len(results), total, results[-1])
+        if on_result is not None:
+            on_result(results[-1])
 
 
 def run_outcome(run_dir: str) -> dict:
@@ -521,14 +532,74 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def record(out_dir: Path, entry: dict) -> Path:
-    """Append this invocation to sweep.json and keep the totals over all invocations."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Sweeps of one experiment may run side by side (one per rung): the read-modify-write below holds
-    # an exclusive lock so neither loses the other's entry.
-    with open(out_dir / ".sweep.json.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _record_locked(out_dir, entry)
+class InvocationRecord:
+    """This invocation's entry in sweep.json, written when the sweep starts and again after every run that
+    lands, so a sweep stopped from outside (a session's end, a kill) keeps the runs it finished and their
+    times; completed with the finished runs it skipped and its wall time when the sweep ends."""
+
+    def __init__(self, out_dir: Path, header: dict):
+        self.out_dir, self.start = out_dir, time.perf_counter()
+        self.entry = {"id": uuid.uuid4().hex[:16], **header, "wall_seconds": 0.0, "ran": False,
+                      "complete": False, "results": []}
+        self.problem: RecordError | None = None
+        self._write()
+
+    def add(self, result: Result) -> None:
+        self.entry["results"].append(asdict(result))
+        self.entry["ran"] = True
+        self.entry["wall_seconds"] = time.perf_counter() - self.start
+        self._write(result)
+
+    def finish(self, skipped: list[Result]) -> Path:
+        """The wall time and the skipped runs; an invocation that found every run finished is kept short
+        (its runs are listed by the invocations that ran them: a resumed grid's launcher re-visits its
+        finished sweeps each time)."""
+        self.entry["wall_seconds"] = time.perf_counter() - self.start
+        self.entry["complete"] = True
+        if self.entry["ran"]:
+            self.entry["results"] += [asdict(r) for r in skipped]
+        else:
+            del self.entry["results"]
+            self.entry["all_finished"] = len(skipped)
+        self._write()
+        if self.problem is not None:  # damaged while the runs ran: this invocation's entry is kept beside it
+            aside = self.out_dir / f"sweep.invocation-{self.entry['started'].replace(':', '')}.json"
+            aside.write_text(json.dumps(self.entry, indent=1) + "\n")
+            raise RecordError(f"{self.problem.code} (this invocation's entry is in {aside})")
+        return self.out_dir / "sweep.json"
+
+    def _write(self, result: Result | None = None) -> None:
+        if self.problem is not None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # Sweeps of one experiment may run side by side (one per rung): the read-modify-write below holds
+        # an exclusive lock so neither loses the other's entry.
+        with open(self.out_dir / ".sweep.json.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = read_record(self.out_dir)
+            except RecordError as err:
+                self.problem = err
+                print(f"[sweep] {err.code}; the runs go on, this invocation's entry is written beside it at the end",
+                      flush=True)
+                return
+            invocations = data["invocations"]
+            mine = next((i for i, inv in enumerate(invocations) if inv.get("id") == self.entry["id"]), None)
+            if mine is None:
+                invocations.append(self.entry)
+            else:
+                invocations[mine] = self.entry
+            data["total_wall_seconds"] = sum(i["wall_seconds"] for i in invocations if i["ran"])
+            if result is not None and result.rc is not None and result.action != "warm_start":
+                slot = data.setdefault("runs", {}).setdefault(f"{result.arm}/seed{result.seed}",
+                                                              {"seconds": 0.0, "attempts": 0})
+                slot["seconds"] += result.seconds if result.seconds == result.seconds else 0.0
+                slot["attempts"] += 1
+                slot["rc"] = result.rc
+            path = self.out_dir / "sweep.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.replace(path)
 
 
 class RecordError(SystemExit):
@@ -551,30 +622,6 @@ def read_record(out_dir: Path) -> dict:
         raise RecordError(f"{path}: not a readable sweep record ({problem}); move it aside (the runs' own "
                           f"directories hold their results) and run the sweep again")
     return data
-
-
-def _record_locked(out_dir: Path, entry: dict) -> Path:
-    path = out_dir / "sweep.json"
-    try:
-        data = read_record(out_dir)
-    except RecordError as err:  # damaged while the runs ran: this invocation's entry is kept beside it
-        aside = out_dir / f"sweep.invocation-{entry['started'].replace(':', '')}.json"
-        aside.write_text(json.dumps(entry, indent=1) + "\n")
-        raise RecordError(f"{err.code} (this invocation's entry is in {aside})") from None
-    data["invocations"].append(entry)
-    data["total_wall_seconds"] = sum(i["wall_seconds"] for i in data["invocations"] if i["ran"])
-    runs = data.setdefault("runs", {})
-    for r in entry.get("results", []):
-        if r["rc"] is None or r["action"] == "warm_start":
-            continue
-        slot = runs.setdefault(f"{r['arm']}/seed{r['seed']}", {"seconds": 0.0, "attempts": 0})
-        slot["seconds"] += r["seconds"] if r["seconds"] == r["seconds"] else 0.0
-        slot["attempts"] += 1
-        slot["rc"] = r["rc"]
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -645,29 +692,31 @@ def sweep(argv: list[str] | None = None) -> int:
             print(f"{j.arm} seed{j.seed}: {j.action}" + (f"  $ {' '.join(j.command)}" if j.command else ""))
         return 0
 
+    from moerl.tracking import git_sha
+
     start, started_at = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
-    runner = (lambda js, t: run_ray(js, t, args.heartbeat)) if args.ray else \
-        (lambda js, t: run_local(js, n_jobs, t, args.heartbeat))
+    record = InvocationRecord(out_dir, {"started": started_at, "jobs": n_jobs, "threads_per_job": threads,
+                                        "cores": cores, "ray": args.ray, "git_sha": git_sha(), "seeds": seeds,
+                                        "overrides": overrides})
+    runner = (lambda js, t: run_ray(js, t, args.heartbeat, record.add)) if args.ray else \
+        (lambda js, t: run_local(js, n_jobs, t, args.heartbeat, record.add))
     # SIGTERM/SIGINT stop the runs, resumable (under Ray, Ray owns the processes of its tasks)
     with signal_handlers_restored(None if args.ray else _stop_on_signal):
         ran = runner(warm, warm_threads) if warm else []
         failed_logs = {r.log for r in ran if r.rc != 0}
         broken = {j.run_dir: j.log for j in warm if j.log in failed_logs}
         # Runs whose warm start failed are not started (each would retry it): reported as failed.
-        ran += [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start], j.run_dir)
-                for j in todo if j.warm_start in broken]
+        not_started = [Result(j.arm, j.seed, j.action, -2, 0.0, broken[j.warm_start], j.run_dir)
+                       for j in todo if j.warm_start in broken]
+        for r in not_started:
+            record.add(r)
+        ran += not_started
         todo = [j for j in todo if j.warm_start not in broken]
         ran += runner(todo, threads) if todo else []
     wall = time.perf_counter() - start
-    results = ran + [Result(j.arm, j.seed, "skip", None, 0.0, j.log, j.run_dir) for j in jobs if j.action == "skip"]
-    from moerl.tracking import git_sha
-
-    # An invocation that found every run finished is recorded in one line's worth (its runs are listed
-    # by the invocations that ran them): a resumed grid's launcher re-visits its finished sweeps each time.
-    path = record(out_dir, {"started": started_at, "wall_seconds": wall, "ran": bool(ran), "jobs": n_jobs,
-                            "threads_per_job": threads, "cores": cores, "ray": args.ray, "git_sha": git_sha(),
-                            "seeds": seeds, "overrides": overrides,
-                            **({"results": [asdict(r) for r in results]} if ran else {"all_finished": len(results)})})
+    skipped = [Result(j.arm, j.seed, "skip", None, 0.0, j.log, j.run_dir) for j in jobs if j.action == "skip"]
+    results = ran + skipped
+    path = record.finish(skipped)
     print(table(results))
     failed = [r for r in results if r.rc not in (None, 0)]
     print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed; recorded in {path}")

@@ -33,6 +33,10 @@ with open(run / "calls.jsonl", "a") as fh:
     fh.write(json.dumps({"argv": args, "omp": os.environ["OMP_NUM_THREADS"], "threads": cfg.threads,
                          "action": action}) + "\\n")
 print("fake run of", run)
+if os.environ.get("FAKE_KILL_SWEEP_ARM") == cfg.arm:  # the sweep dies as at a session's end
+    import signal
+    os.kill(os.getppid(), signal.SIGKILL)
+    sys.exit(9)
 if os.environ.get("FAKE_FAIL_ARM") == cfg.arm:
     sys.exit(3)
 (run / "summary.json").write_text("{}")
@@ -285,19 +289,25 @@ def test_two_arms_that_compute_the_same_thing_are_refused(tmp_path):
     assert len(jobs) == len(list((EXP_DIR / "arms").glob("*.yaml")))
 
 
+def _one_invocation(out_dir: Path, i: int) -> None:
+    """One sweep invocation's record: started, one run landed, finished (a worker of the test below)."""
+    record = sweep.InvocationRecord(out_dir, {"started": "2026-01-01T00:00:00"})  # the same second for all
+    record.add(sweep.Result(f"a{i}", 0, "fresh", 0, 1.0, "log", "run"))
+    record.finish([])
+
+
 def test_sweeps_side_by_side_keep_every_entry(tmp_path):
-    """Two sweeps of one experiment (one per rung) append to the same sweep.json: none is lost."""
+    """Two sweeps of one experiment (one per rung) write to the same sweep.json: none is lost."""
     import multiprocessing
 
-    entries = [{"wall_seconds": 1.0, "ran": True, "results": [{"arm": f"a{i}", "seed": 0, "rc": 0, "action": "run",
-                                                              "seconds": 1.0}]} for i in range(24)]
     ctx = multiprocessing.get_context("fork")
     # workers die on Pool.terminate's SIGTERM even if an earlier test left a handler in this process
     with ctx.Pool(4, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL)) as pool:
-        pool.starmap(sweep.record, [(tmp_path, e) for e in entries])
+        pool.starmap(_one_invocation, [(tmp_path, i) for i in range(24)])
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert len(data["invocations"]) == 24 and len(data["runs"]) == 24
-    assert data["total_wall_seconds"] == 24.0
+    assert all(inv["complete"] for inv in data["invocations"]) and len({inv["id"] for inv in data["invocations"]}) == 24
+    assert sum(inv["wall_seconds"] for inv in data["invocations"]) == pytest.approx(data["total_wall_seconds"])
 
 
 # A stand-in run.py that trains slowly: one metrics row per step (as the trainer writes them), then a summary.
@@ -349,3 +359,37 @@ def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path,
     assert any("sweep ETA about" in line for line in text.splitlines())
     assert "| steps | reward (last 10) | k3 (run mean) | pass@1 start -> end" in text
     assert "| 5 | 0.500 | 2.00e-04 | 0.250 -> 0.375" in text
+
+
+def test_a_killed_sweep_keeps_the_runs_it_finished(tmp_path, fake_run):
+    """A grid outlives a session: its sweep is killed at the session's end. sweep.json holds every run the
+    sweep finished before the kill, with its time (the entry is written as each run lands), and the next
+    invocation adds its own."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "runs"
+    argv = [sys.executable, str(REPO / "scripts" / "sweep.py"), str(EXP_DIR), "--arms", "baseline,r3", "--seeds", "1",
+            "--jobs", "1", "--output-dir", str(out), "--run-script", str(fake_run), "--heartbeat", "0",
+            "warm_start.enabled=false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FAKE_KILL_SWEEP_ARM": "r3"}
+    killed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+    data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
+    (first,) = data["invocations"]
+    assert first["ran"] and not first["complete"] and first["wall_seconds"] > 0
+    base, r3 = "baseline+warm_start.enabled-false", "r3+warm_start.enabled-false"  # arms as the overrides name them
+    assert [(r["arm"], r["rc"]) for r in first["results"]] == [(base, 0)]
+    assert data["runs"] == {f"{base}/seed0": {"seconds": pytest.approx(first["results"][0]["seconds"]),
+                                              "attempts": 1, "rc": 0}}
+    assert data["total_wall_seconds"] == pytest.approx(first["wall_seconds"])
+
+    env.pop("FAKE_KILL_SWEEP_ARM")
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
+    assert data["invocations"][0] == first and data["invocations"][1]["complete"]
+    assert [(r["arm"], r["action"]) for r in data["invocations"][1]["results"]] == [(r3, "fresh"), (base, "skip")]
+    # the killed attempt of r3 never landed: only the attempt that finished it is counted
+    assert set(data["runs"]) == {f"{base}/seed0", f"{r3}/seed0"} and data["runs"][f"{r3}/seed0"]["attempts"] == 1

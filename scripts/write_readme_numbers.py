@@ -64,17 +64,28 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
 
 
+def recorded_runs(runs_dir: Path) -> tuple[int, float]:
+    """(finished runs, their run time summed) under an experiment's recorded runs: every run directory with
+    a summary.json, each timed by its logged step and evaluation times. Read from the runs themselves, not
+    from sweep.json, whose entries a grid that outlives a session may lack (a sweep killed at a session's
+    end recorded nothing before its entries were written run by run)."""
+    from moerl.tracking import read_metrics
+
+    finished = sorted(runs_dir.glob("*/seed*/summary.json"))
+    seconds = sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0)
+                  for summary in finished for row in read_metrics(summary.parent / "metrics.jsonl"))
+    return len(finished), seconds
+
+
 def section_experiments(results: Path) -> str:
     import json
 
-    from moerl.analysis.results import load_sweep
-
-    lines = ["| experiment | question | runs on | recorded runs, wall time | smallest command | results |",
+    lines = ["| experiment | question | runs on | recorded runs, run time summed | smallest command | results |",
              "|---|---|---|---|---|---|"]
     for name, question, where, command, link in EXPERIMENTS:
-        sweep = load_sweep(results / "runs" / name) if (results / "runs" / name).is_dir() else None
-        if sweep and sweep.get("total_wall_seconds"):
-            time = f"{len(sweep.get('runs', {}))} runs, {_hours(sweep['total_wall_seconds'])}"
+        n_runs, seconds = recorded_runs(results / "runs" / name)
+        if n_runs:
+            time = f"{n_runs} runs, {_hours(seconds)}"
         elif name == "06_routing_geometry":
             points = [json.loads(p.read_text()) for p in sorted((results / "geometry").glob("*.json"))]
             points = [p for p in points if "seconds_total" in p]

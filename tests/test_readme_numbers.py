@@ -57,3 +57,20 @@ def test_every_relative_link_of_the_front_page_resolves():
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
     assert local and [link for link in local if not (REPO / link).exists()] == []
+
+
+def test_the_experiments_table_counts_the_runs_themselves(tmp_path):
+    """Runs and their time come from the run directories (a finished run has summary.json; its time is its
+    logged step and evaluation times), not from sweep.json, which a sweep killed at a session's end could lack."""
+    import json
+
+    for seed, rows in ((0, [{"step": 0, "time/eval": 2.0}, {"step": 1, "time/step": 3.0, "time/eval": 2.0}]),
+                       (1, [{"step": 1, "time/step": 4.0}]), (2, [{"step": 1, "time/step": 100.0}])):
+        run = tmp_path / "07_x" / "arm" / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if seed < 2:  # seed 2 is still running: no summary
+            (run / "summary.json").write_text("{}")
+    (tmp_path / "07_x" / "sweep.json").write_text('{"invocations": [], "runs": {}, "total_wall_seconds": 0}')
+    assert numbers.recorded_runs(tmp_path / "07_x") == (2, 11.0)
+    assert numbers.recorded_runs(tmp_path / "nowhere") == (0, 0)

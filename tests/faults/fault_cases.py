@@ -66,6 +66,9 @@ CASES = [
     Case("SIGTERM, SIGINT or `kill -9` to scripts/sweep.py", "`[sweep] SIGTERM: stopped 1 run(s); run the sweep "
          "again to resume them` (nothing after `kill -9`)", "no run of the sweep keeps training: a re-run finds no "
          "second writer", "test_sweep_children.py::test_a_stopped_sweep_leaves_no_run_training"),
+    Case("`kill -9` to scripts/sweep.py after some of its runs finished (a session's end)", "nothing",
+         "sweep.json's entry for the invocation, with every run that finished before the kill and its time",
+         "../analysis/test_sweep.py::test_a_killed_sweep_keeps_the_runs_it_finished"),
     Case("the lock file of a live run deleted (`rm .seed0.lock`), then a second start or `--resume`",
          "`<run> is in use by process <pid> ...`: the run directory itself is locked too",
          "the live run's rows; no second writer", "test_run_cli.py::test_a_live_run_has_one_writer"),

@@ -37,6 +37,8 @@ if os.environ.get("FAKE_KILL_SWEEP_ARM") == cfg.arm:  # the sweep dies as at a s
     import signal
     os.kill(os.getppid(), signal.SIGKILL)
     sys.exit(9)
+if os.environ.get("FAKE_DAMAGE_RECORD"):  # something else breaks sweep.json while the runs run
+    Path(os.environ["FAKE_DAMAGE_RECORD"]).write_text('{"invocations": [')
 if os.environ.get("FAKE_FAIL_ARM") == cfg.arm:
     sys.exit(3)
 (run / "summary.json").write_text("{}")
@@ -393,3 +395,18 @@ def test_a_killed_sweep_keeps_the_runs_it_finished(tmp_path, fake_run):
     assert [(r["arm"], r["action"]) for r in data["invocations"][1]["results"]] == [(r3, "fresh"), (base, "skip")]
     # the killed attempt of r3 never landed: only the attempt that finished it is counted
     assert set(data["runs"]) == {f"{base}/seed0", f"{r3}/seed0"} and data["runs"][f"{r3}/seed0"]["attempts"] == 1
+
+
+def test_a_record_damaged_while_the_runs_run_keeps_them_going_and_the_entry_beside_it(tmp_path, fake_run, monkeypatch):
+    out = tmp_path / "runs"
+    record = out / "00_tiny_moe_cpu" / "sweep.json"
+    monkeypatch.setenv("FAKE_DAMAGE_RECORD", str(record))
+    with pytest.raises(SystemExit) as err:
+        sweep.main([str(EXP_DIR), "--arms", "baseline,r3", "--seeds", "1", "--jobs", "1", "--output-dir", str(out),
+                    "--run-script", str(fake_run), "--heartbeat", "0", "warm_start.enabled=false"])
+    assert str(err.value.code).startswith(f"{record}: not a readable sweep record (")
+    (aside,) = record.parent.glob("sweep.invocation-*.json")
+    assert str(aside) in str(err.value.code) and record.read_text() == '{"invocations": ['
+    entry = json.loads(aside.read_text())
+    assert entry["complete"] and sorted(r["arm"].split("+")[0] for r in entry["results"]) == ["baseline", "r3"]
+    assert all(r["rc"] == 0 for r in entry["results"])  # both runs ran to the end

@@ -21,7 +21,8 @@ matplotlib.use("Agg")
 
 from moerl.analysis.geometry_report import (BASE, FACTORS, PAPER_SHARE, default_sft, figure_cluster_extrapolation,
                                    figure_flip_along_stack, figure_ladders, figure_router_state, fits,
-                                   gpu_reference_point, ladder, load_points, predictions, sft_depth, sft_width)
+                                   gpu_reference_point, ladder, load_points, other_sfts, predictions, sft_depth,
+                                   sft_width)
 from moerl.analysis.results import write_marked_section
 
 
@@ -261,8 +262,7 @@ def gpu_measured_lines(cpu: pd.DataFrame, gpu: pd.DataFrame) -> list[str]:
     """What the GPU points measure, as numbers: the share's range per SFT length, the two devices at the
     same width and SFT length, and R3's effect on k3 at hidden >= 256."""
     out = ["Measured (descriptive: no registered rule judges the GPU points):"]
-    others = gpu[gpu.sft_seed.notna()] if "sft_seed" in gpu else gpu.iloc[:0]
-    gpu = default_sft(gpu)
+    others, gpu = other_sfts(gpu), default_sft(gpu)
     for steps, rows in gpu.groupby("sft_steps"):
         rows = rows.sort_values("H")
         out.append(f"- {steps:.0f}-step SFT on the GPU: " + ", ".join(

@@ -126,7 +126,8 @@ def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
     supervised warm start (the CPU's trained ladder is 400 steps, so that point compares like with like),
     of the SFTs from the data seed (the CPU's) where there are any."""
     bf16 = gpu[gpu.rollout == "bf16"] if "rollout" in gpu else gpu
-    bf16 = default_sft(bf16) if len(default_sft(bf16)) else bf16
+    first = default_sft(bf16)
+    bf16 = first if len(first) else bf16
     steps = bf16.sft_steps.fillna(0) if "sft_steps" in bf16 else 0
     return bf16.assign(_steps=steps).sort_values(["H", "_steps"]).iloc[-1].drop("_steps")
 
@@ -134,6 +135,11 @@ def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
 def default_sft(points: pd.DataFrame) -> pd.DataFrame:
     """The points whose SFT ran from the data seed (every CPU point; a GPU call without --sft-seed)."""
     return points[points.sft_seed.isna()] if "sft_seed" in points else points
+
+
+def other_sfts(points: pd.DataFrame) -> pd.DataFrame:
+    """The points whose SFT ran from another seed (scripts/gpu_width_geometry.py --sft-seed)."""
+    return points[points.sft_seed.notna()] if "sft_seed" in points else points.iloc[:0]
 
 
 def point_row(df: pd.DataFrame, point: str, dtype: str = "bf16") -> pd.Series | None:
@@ -557,8 +563,7 @@ def figure_gpu_width(cpu: pd.DataFrame, gpu: pd.DataFrame, note: str = ""):
         series.append((trained_cpu, f"CPU, trained routers (400-step SFT), emulated bf16 ({width_ffn(trained_cpu)})",
                        "D", "C5", "C5"))
     gpu_styles = itertools.cycle([("s", "C3"), ("^", "C0"), ("v", "C2"), ("P", "C4")])  # one per (GPU, SFT length)
-    others = gpu[gpu.sft_seed.notna()] if "sft_seed" in gpu else gpu.iloc[:0]
-    gpu = default_sft(gpu)
+    others, gpu = other_sfts(gpu), default_sft(gpu)
     style_of = {}
     for (device, sft_steps), rows in (gpu.groupby([gpu.device, gpu.sft_steps]) if not gpu.empty else []):
         marker, color = style_of[device, sft_steps] = next(gpu_styles)

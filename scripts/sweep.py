@@ -519,7 +519,10 @@ def table(results: list[Result]) -> str:
     """The summary table a sweep ends with: each run's status and time, and what it reached."""
     lines = ["arm | seed | action | status | seconds | steps | reward (last 10) | k3 (run mean) | pass@1 start -> end",
              "--- | --- | --- | --- | --- | --- | --- | --- | ---"]
-    num = (lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-")
+
+    def num(value, spec: str) -> str:
+        return format(value, spec) if isinstance(value, (int, float)) else "-"
+
     for r in sorted(results, key=lambda r: (r.action != "warm_start", r.arm, r.seed)):
         status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else f"failed rc={r.rc}")
         if r.rc == -2:

@@ -32,12 +32,28 @@ def test_no_verdict_before_the_last_registered_run():
     controls = [run("fp32_control", "fp32", s, end=0.80) for s in range(11)]
     out = confirmatory.report(controls, REGISTERED, RULES)
     assert out["progress"]["confirmatory_control"] == {"planned": 12, "finished": 11, "started": 11, "complete": False,
-                                                       "machines": {"not recorded": 11}}
+                                                       "machines": {"not recorded": 11}, "seconds_left": None}
     assert out["verdicts"] == {}
     unfinished = run("fp32_control", "fp32", 11, end=0.80)
     unfinished["steps"] = 120
     assert confirmatory.report(controls + [unfinished], REGISTERED, RULES)["verdicts"] == {}
     assert "after the last registered run" in confirmatory.markdown(out)
+
+
+def test_progress_estimates_the_run_time_a_grid_has_left():
+    # two finished control runs at 2 s and 4 s a step (mean 3 s), one stopped at step 100 of 300
+    controls = [run("fp32_control", "fp32", 0, seconds=600.0), run("fp32_control", "fp32", 1, seconds=1200.0),
+                run("fp32_control", "fp32", 2, steps=100, seconds=900.0)]
+    controls[2]["steps_planned"] = 300
+    progress = confirmatory.report(controls, REGISTERED, RULES)["progress"]
+    assert progress["confirmatory_control"]["seconds_left"] == pytest.approx(3.0 * (9 * 300 + 200))
+    # a grid with no finished run yet is estimated at every path grid's finished runs: 20 runs x 600 steps
+    assert progress["confirmatory_nvfp4_600"]["seconds_left"] == pytest.approx(3.0 * 20 * 600)
+    text = confirmatory.markdown(confirmatory.report(controls, REGISTERED, RULES))
+    assert f"| confirmatory_control | 12 | 2 | {3.0 * 2900 / 3600:.1f} h |" in text
+    # no run that logged its time: nothing to estimate from
+    assert confirmatory.report([run("fp32_control", "fp32", 0)], REGISTERED,
+                               RULES)["progress"]["confirmatory_control"]["seconds_left"] is None
 
 
 def test_progress_names_the_machine_kinds_a_grid_was_recorded_on(tmp_path):
@@ -47,7 +63,7 @@ def test_progress_names_the_machine_kinds_a_grid_was_recorded_on(tmp_path):
     epyc = "AMD EPYC 7B13, AVX2, torch 2.13.0+cpu, emulated kernels"
     controls = [run("fp32_control", "fp32", s, machine=xeon) for s in range(12)]
     text = confirmatory.markdown(confirmatory.report(controls, REGISTERED, RULES))
-    assert f"| confirmatory_control | 12 | 12 | computed below | {xeon} |" in text
+    assert f"| confirmatory_control | 12 | 12 | none | computed below | {xeon} |" in text
     controls[3]["machine"] = epyc
     progress = confirmatory.report(controls, REGISTERED, RULES)["progress"]["confirmatory_control"]
     assert progress["machines"] == {xeon: 11, epyc: 1}
@@ -219,18 +235,18 @@ def test_no_mechanism_verdict_before_its_last_registered_run():
     last = next(r for r in runs if r["arm"] == "qat_int4_tis" and r["seed"] == 4)
     partial = [r for r in runs if r is not last]
     out = confirmatory.report(partial, REGISTERED, RULES)
-    assert {k: v for k, v in out["progress"]["mechanism"].items() if k != "machines"} == {
+    assert {k: v for k, v in out["progress"]["mechanism"].items() if k not in ("machines", "seconds_left")} == {
         "planned": 65, "finished": 64, "started": 64, "complete": False}
     assert "confirmatory_control" in out["verdicts"] and "mechanism" not in out["verdicts"]
     assert out["exploratory"] == {}
-    assert "| mechanism | 65 | 64 | after the last registered run |" in confirmatory.markdown(out)
+    assert "| mechanism | 65 | 64 | — | after the last registered run |" in confirmatory.markdown(out)
     out = confirmatory.report(partial + [last], REGISTERED, RULES)
     assert "mechanism" in out["verdicts"] and out["exploratory"]["mechanism"]
     # the mechanism grid complete but the control not: its exploratory table only, no verdict
     no_control = [r for r in runs if not (r["arm"] == "fp32_control" and r["seed"] == 11)]
     out = confirmatory.report(no_control, REGISTERED, RULES)
     assert out["verdicts"] == {} and len(out["exploratory"]["mechanism"]) == 2 * 5 + 3
-    assert "| mechanism | 65 | 65 | waits for confirmatory_control |" in confirmatory.markdown(out)
+    assert "| mechanism | 65 | 65 | none | waits for confirmatory_control |" in confirmatory.markdown(out)
 
 
 def test_mechanism_comparisons_follow_the_registered_rules():

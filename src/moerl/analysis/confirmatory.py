@@ -153,19 +153,36 @@ def finished(run: dict) -> bool:
 
 
 def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
-    """Per path grid: registered runs, finished runs, whether the grid is complete, and the machine kinds
-    its finished runs were recorded on (``machines``: kind -> runs; moerl.analysis.dose.machine_kind)."""
+    """Per path grid: registered runs, finished runs, whether the grid is complete, the machine kinds its
+    finished runs were recorded on (``machines``: kind -> runs; moerl.analysis.dose.machine_kind), and the
+    run time its remaining steps need (``seconds_left``) at its finished runs' mean logged time per step
+    (every path grid's finished runs where the grid has none yet; None where no run has finished)."""
+    grids = path_grids(registered)
+    members = {name: {(r["arm"], r["rung"], r["seed"]): r for r in runs if grid_of(r, registered) == name}
+               for name in grids}
+    done = {name: [members[name][key] for key in grid.planned() if key in members[name]
+                   and finished(members[name][key])] for name, grid in grids.items()}
+    pooled = _seconds_per_step([r for runs_done in done.values() for r in runs_done])
     out = {}
-    for name, grid in path_grids(registered).items():
-        mine = {(r["arm"], r["rung"], r["seed"]): r for r in runs if grid_of(r, registered) == name}
-        done = [mine[key] for key in grid.planned() if key in mine and finished(mine[key])]
+    for name, grid in grids.items():
+        mine = members[name]
         machines: dict[str, int] = {}
-        for r in done:
+        for r in done[name]:
             kind = r.get("machine") or "not recorded"
             machines[kind] = machines.get(kind, 0) + 1
-        out[name] = {"planned": len(grid.planned()), "finished": len(done), "started": len(mine),
-                     "complete": len(done) == len(grid.planned()), "machines": machines}
+        steps_left = sum(grid.steps - min(mine[key]["steps"], grid.steps) if key in mine else grid.steps
+                         for key in grid.planned())
+        rate = _seconds_per_step(done[name]) or pooled
+        out[name] = {"planned": len(grid.planned()), "finished": len(done[name]), "started": len(mine),
+                     "complete": len(done[name]) == len(grid.planned()), "machines": machines,
+                     "seconds_left": 0.0 if not steps_left else None if rate is None else rate * steps_left}
     return out
+
+
+def _seconds_per_step(runs: list[dict]) -> float | None:
+    """Mean over runs of each run's logged seconds per step; None where no run logged its time."""
+    rates = [r["seconds"] / r["steps"] for r in runs if r.get("seconds") and r.get("steps")]
+    return float(np.mean(rates)) if rates else None
 
 
 def _by_seed(runs: list[dict], grid: str, arm: str, rung: str, registered: dict) -> dict[int, dict]:
@@ -447,15 +464,19 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     mechanism grid's exploratory table (no verdict)."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
-             "(finished runs are committed as they land).", "",
-             "| grid | registered runs | finished | verdicts | finished runs recorded on |", "|---|---|---|---|---|"]
+             "(finished runs are committed as they land). Run time left: the steps not yet run, at the mean "
+             "logged time per step of the grid's finished runs: core-hours, one core per run as recorded.", "",
+             "| grid | registered runs | finished | run time left (estimated) | verdicts | finished runs recorded on |",
+             "|---|---|---|---|---|---|"]
     for name, p in result["progress"].items():
         state = "computed below" if name in result["verdicts"] else (
             "waits for confirmatory_control" if p["complete"] else "after the last registered run")
         machines = p.get("machines") or {}
         where = ("—" if not machines else next(iter(machines)) if len(machines) == 1 else
                  f"**{len(machines)} machine kinds**: " + "; ".join(f"{k} ({n})" for k, n in machines.items()))
-        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {state} | {where} |")
+        left = p.get("seconds_left")
+        left = "—" if left is None else "none" if left == 0 else f"{left / 3600:.1f} h"
+        lines.append(f"| {name} | {p['planned']} | {p['finished']} | {left} | {state} | {where} |")
     target = (registered or {}).get("rules", {}).get("power", {}).get("value", {}).get("target", power.TARGET_POWER)
     for grid, verdicts in result["verdicts"].items():
         lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",

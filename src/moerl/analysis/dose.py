@@ -137,7 +137,9 @@ def run_summary(rows: list[dict]) -> dict:
             "reward_first": float(reward[:REWARD_WINDOW].mean()), "reward_last": float(reward[-REWARD_WINDOW:].mean()),
             "pass1_start": first.get("eval/pass1"), "pass1_end": last.get("eval/pass1"),
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),
-            "collapse_step": collapse_step(rows)}
+            "collapse_step": collapse_step(rows),
+            # the run's own logged step and evaluation times (what a grid's remaining runs are estimated from)
+            "seconds": float(sum(r.get("time/step", 0.0) + r.get("time/eval", 0.0) for r in rows))}
 
 
 class RunReadError(ValueError):

@@ -155,8 +155,9 @@ def finished(run: dict) -> bool:
 def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
     """Per path grid: registered runs, finished runs, whether the grid is complete, the machine kinds its
     finished runs were recorded on (``machines``: kind -> runs; moerl.analysis.dose.machine_kind), and the
-    run time its remaining steps need (``seconds_left``) at its finished runs' mean logged time per step
-    (every path grid's finished runs where the grid has none yet; None where no run has finished)."""
+    run time its remaining steps need (``seconds_left``) at the median over its finished runs of their logged
+    time per step (a median: runs that shared the CPU with other work log slower steps), over every path
+    grid's finished runs where the grid has none yet; None where no run has finished."""
     grids = path_grids(registered)
     members = {name: {(r["arm"], r["rung"], r["seed"]): r for r in runs if grid_of(r, registered) == name}
                for name in grids}
@@ -180,9 +181,9 @@ def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
 
 
 def _seconds_per_step(runs: list[dict]) -> float | None:
-    """Mean over runs of each run's logged seconds per step; None where no run logged its time."""
+    """Median over runs of each run's logged seconds per step; None where no run logged its time."""
     rates = [r["seconds"] / r["steps"] for r in runs if r.get("seconds") and r.get("steps")]
-    return float(np.mean(rates)) if rates else None
+    return float(np.median(rates)) if rates else None
 
 
 def _by_seed(runs: list[dict], grid: str, arm: str, rung: str, registered: dict) -> dict[int, dict]:
@@ -464,8 +465,8 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     mechanism grid's exploratory table (no verdict)."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
-             "(finished runs are committed as they land). Run time left: the steps not yet run, at the mean "
-             "logged time per step of the grid's finished runs: core-hours, one core per run as recorded.", "",
+             "(finished runs are committed as they land). Run time left: the steps not yet run, at the median "
+             "logged time per step of the grid's finished runs, in core-hours (one core per run).", "",
              "| grid | registered runs | finished | run time left (estimated) | verdicts | finished runs recorded on |",
              "|---|---|---|---|---|---|"]
     for name, p in result["progress"].items():

@@ -69,11 +69,10 @@ def recorded_runs(runs_dir: Path) -> tuple[int, float]:
     a summary.json, each timed by its logged step and evaluation times. Read from the runs themselves, not
     from sweep.json, whose entries a grid that outlives a session may lack (a sweep killed at a session's
     end recorded nothing before its entries were written run by run)."""
-    from moerl.tracking import read_metrics
+    from moerl.tracking import logged_seconds, read_metrics
 
     finished = sorted(runs_dir.glob("*/seed*/summary.json"))
-    seconds = sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0)
-                  for summary in finished for row in read_metrics(summary.parent / "metrics.jsonl"))
+    seconds = sum(logged_seconds(read_metrics(summary.parent / "metrics.jsonl")) for summary in finished)
     return len(finished), seconds
 
 

@@ -160,6 +160,12 @@ def read_metrics(path: Path, warn: bool = False) -> list[dict]:
     return rows
 
 
+def logged_seconds(rows: list[dict]) -> float:
+    """A run's own logged run time: its steps' times plus its evaluations' (time/step leaves evaluation
+    out), summed over its metrics rows."""
+    return float(sum(row.get("time/step", 0.0) + row.get("time/eval", 0.0) for row in rows))
+
+
 class MetricsLogError(RuntimeError):
     """A metrics.jsonl that does not hold the rows its checkpoint covers (a missing or duplicated step)."""
 

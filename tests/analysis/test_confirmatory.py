@@ -42,16 +42,16 @@ def test_no_verdict_before_the_last_registered_run():
 
 def test_progress_estimates_the_run_time_a_grid_has_left():
     # three finished control runs at 2, 3 and 9 s a step (median 3 s: the slow one shared its CPU), one
-    # stopped at step 100 of 300
+    # stopped at step 100 of 300, counted whole (its steps are not committed until it finishes)
     controls = [run("fp32_control", "fp32", 0, seconds=600.0), run("fp32_control", "fp32", 1, seconds=900.0),
                 run("fp32_control", "fp32", 3, seconds=2700.0), run("fp32_control", "fp32", 2, steps=100, seconds=900.0)]
     controls[3]["steps_planned"] = 300
     progress = confirmatory.report(controls, REGISTERED, RULES)["progress"]
-    assert progress["confirmatory_control"]["seconds_left"] == pytest.approx(3.0 * (8 * 300 + 200))
+    assert progress["confirmatory_control"]["seconds_left"] == pytest.approx(3.0 * 9 * 300)
     # a grid with no finished run yet is estimated at every path grid's finished runs: 20 runs x 600 steps
     assert progress["confirmatory_nvfp4_600"]["seconds_left"] == pytest.approx(3.0 * 20 * 600)
     text = confirmatory.markdown(confirmatory.report(controls, REGISTERED, RULES))
-    assert f"| confirmatory_control | 12 | 3 | {3.0 * 2600 / 3600:.1f} h |" in text
+    assert f"| confirmatory_control | 12 | 3 | {3.0 * 2700 / 3600:.1f} h |" in text
     # no run that logged its time: nothing to estimate from
     assert confirmatory.report([run("fp32_control", "fp32", 0)], REGISTERED,
                                RULES)["progress"]["confirmatory_control"]["seconds_left"] is None

@@ -155,7 +155,7 @@ def finished(run: dict) -> bool:
 def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
     """Per path grid: registered runs, finished runs, whether the grid is complete, the machine kinds its
     finished runs were recorded on (``machines``: kind -> runs; moerl.analysis.dose.machine_kind), and the
-    run time its remaining steps need (``seconds_left``) at the median over its finished runs of their logged
+    run time its unfinished runs need (``seconds_left``) at the median over its finished runs of their logged
     time per step (a median: runs that shared the CPU with other work log slower steps), over every path
     grid's finished runs where the grid has none yet; None where no run has finished."""
     grids = path_grids(registered)
@@ -171,8 +171,8 @@ def progress(runs: list[dict], registered: dict) -> dict[str, dict]:
         for r in done[name]:
             kind = r.get("machine") or "not recorded"
             machines[kind] = machines.get(kind, 0) + 1
-        steps_left = sum(grid.steps - min(mine[key]["steps"], grid.steps) if key in mine else grid.steps
-                         for key in grid.planned())
+        # unfinished runs count whole: a partial run is not committed, so the estimate is the same in any clone
+        steps_left = grid.steps * (len(grid.planned()) - len(done[name]))
         rate = _seconds_per_step(done[name]) or pooled
         out[name] = {"planned": len(grid.planned()), "finished": len(done[name]), "started": len(mine),
                      "complete": len(done[name]) == len(grid.planned()), "machines": machines,
@@ -465,7 +465,7 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     mechanism grid's exploratory table (no verdict)."""
     lines = ["", "### Confirmatory and mechanism grids (registered before their first run)", "",
              "Recorded on the registered rollout path; no verdict before a grid's registered runs are all in "
-             "(finished runs are committed as they land). Run time left: the steps not yet run, at the median "
+             "(finished runs are committed as they land). Run time left: the unfinished runs, at the median "
              "logged time per step of the grid's finished runs, in core-hours (one core per run).", "",
              "| grid | registered runs | finished | run time left (estimated) | verdicts | finished runs recorded on |",
              "|---|---|---|---|---|---|"]

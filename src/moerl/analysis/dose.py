@@ -50,7 +50,7 @@ import yaml
 from moerl.analysis import power, registration
 from moerl.analysis.collapse import collapse_step
 from moerl.config import current_arm
-from moerl.tracking import read_metrics
+from moerl.tracking import logged_seconds, read_metrics
 from moerl.analysis.verdicts import (EARLY_LATE_WINDOW, INCONCLUSIVE, NO, NOT_TESTED, PARTLY, YES, acts_on, beyond_control,
                             by_threshold, gate, keeps_drifting)
 
@@ -139,7 +139,7 @@ def run_summary(rows: list[dict]) -> dict:
             "pass1_start_step": first.get("step"), "pass1_end_step": last.get("step"),
             "collapse_step": collapse_step(rows),
             # the run's own logged step and evaluation times (what a grid's remaining runs are estimated from)
-            "seconds": float(sum(r.get("time/step", 0.0) + r.get("time/eval", 0.0) for r in rows))}
+            "seconds": logged_seconds(rows)}
 
 
 class RunReadError(ValueError):

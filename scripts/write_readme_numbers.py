@@ -180,12 +180,12 @@ def section_07(runs_root: Path) -> str:
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
     runs = load_runs(runs_root)
     ladder, control = report.ladder_rows(runs)
-    lines = ["| rung (seed 0) | k3, run median | held-out pass@1 (fp32 evaluator), start → end | collapse step |",
-             "|---|---|---|---|"]
-    for rung in mismatch_order(ladder):
-        s = ladder[rung]
-        lines.append(f"| {rung}{' (control)' if rung == 'fp32' else ''} | {_f(s['k3_median'], '.2e')} | "
-                     f"{_f(s['pass1_start'], '.3f')} → {_f(s['pass1_end'], '.3f')} | {s['collapse_step'] or '—'} |")
+    # the ladder itself is the figure above this section (and a table in the experiment's README)
+    collapsed = [f"{rung} (step {ladder[rung]['collapse_step']})" for rung in mismatch_order(ladder)
+                 if ladder[rung]["collapse_step"] is not None]
+    lines = [f"Seed-0 ladder: the uncorrected run collapses at {', '.join(collapsed) or 'no rung'}; the fp32 control "
+             f"goes {_f(ladder['fp32']['pass1_start'], '.3f')} → {_f(ladder['fp32']['pass1_end'], '.3f')} held-out "
+             "pass@1." if "fp32" in ladder else "Seed-0 ladder: no fp32 control recorded."]
     state = regime({r["seed"]: r for r in runs if r["arm"] == "fp32_control"})
     found = threshold(ladder, control, state["learns"]) if control is not None else None
     ungated = threshold(ladder, control) if control is not None else None
@@ -194,6 +194,49 @@ def section_07(runs_root: Path) -> str:
               + ("." if state["learns"] else f" — the regime check is {state['status']}; on seed 0 alone, ungated: "
                  f"{ungated or 'none'}."), "", report.dose_order(ladder) + "."]
     return "\n".join(lines)
+
+
+def _confirmatory(runs_root: Path) -> dict:
+    from moerl.analysis import confirmatory
+    from moerl.analysis.dose import load_runs
+
+    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    every_run = load_runs(runs_root, grids="all")
+    return {"report": report, "runs": every_run,
+            "result": confirmatory.report(every_run, report.REGISTERED, confirmatory.rules_of(report.REGISTERED))}
+
+
+def section_07_registered(runs_root: Path) -> str:
+    """The registered (confirmatory and mechanism) grids: progress, and each complete grid's verdicts with
+    the bounds its rule reads, its power and its registration status -- the RESULTS.md section, verbatim."""
+    c = _confirmatory(runs_root)
+    text = c["report"].confirmatory_markdown(c["runs"]).strip().splitlines()
+    return "\n".join(line for line in text if not line.startswith("### "))
+
+
+HEADLINE_VERDICTS = 8  # a grid with more verdicts than this is tallied on the front page, which must stay short
+
+
+def section_07_headline(runs_root: Path) -> str:
+    """The registered grids' verdicts in one line per complete grid, for the front page (the bounds, power
+    and registration of each: the experiment's README)."""
+    c = _confirmatory(runs_root)
+    lines = []
+    for grid, verdicts in c["result"]["verdicts"].items():
+        n = max((v.get("gain", v).get("n") or (v.get("power") or {}).get("n") or 0) for v in verdicts.values())
+        if len(verdicts) > HEADLINE_VERDICTS:  # a per-rung grid: its tally, the verdicts in the experiment's README
+            tally: dict[str, int] = {}
+            for v in verdicts.values():
+                tally[v["verdict"]] = tally.get(v["verdict"], 0) + 1
+            items = [f"{len(verdicts)} verdicts: " + ", ".join(f"{k} **{t}**" for t, k in tally.items())]
+        else:
+            items = [f"{name.replace('like_control', 'like control')} **{v['verdict']}**"
+                     + (" (acts-on floor)" if "floor_ungated" in v else " (gated)" if "ungated" in v else "")
+                     for name, v in verdicts.items()]
+        lines.append(f"- `{grid}` ({n} seeds): " + "; ".join(items))
+    left = [f"`{g}` {p['finished']}/{p['planned']}" for g, p in c["result"]["progress"].items() if not p["complete"]]
+    return "\n".join(["Registered grids (verdicts once a grid is complete):", "", *lines]
+                     + ([f"- still running: {', '.join(left)}"] if left else []))
 
 
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
@@ -205,6 +248,9 @@ SECTIONS = {
     "06_fits": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_fits(results / "geometry")),
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
+    "07_headline": (["README.md"], lambda results: section_07_headline(results / "runs")),
+    "07_registered": (["experiments/07_dose_threshold/README.md"],
+                      lambda results: section_07_registered(results / "runs")),
 }
 
 

@@ -130,6 +130,42 @@ def test_fp8_comparisons_follow_the_registered_rules():
     assert "power 1.00 at a true +0.025 (the registered smallest effect); reaches 80 %" in behind
 
 
+def test_a_verdict_is_printed_with_the_bounds_its_rule_reads():
+    """The t rules are one-sided at 95 %: the printed bounds are those (the two-sided 90 % interval), so a
+    "yes" never sits beside an interval that crosses its threshold. Here the two-sided 95 % interval of
+    r3 - baseline reaches below 0 while the one-sided bound clears it."""
+    from scipy import stats
+
+    diffs = np.array([0.05, -0.01, 0.04, 0.00, 0.03, -0.02, 0.06, 0.01, 0.02, -0.03, 0.05, 0.02])
+    half = lambda q: stats.t.ppf(q, 11) * diffs.std(ddof=1) / np.sqrt(12)  # noqa: E731
+    assert diffs.mean() - half(0.975) < 0 < diffs.mean() - half(0.95)  # the case this test is about
+    runs = fp8_grid(np.random.default_rng(3), {}, {})
+    baseline = {r["seed"]: r["pass1_end"] for r in runs if r["arm"] == "baseline"}
+    for r in runs:
+        if r["arm"] == "r3":
+            r["pass1_end"] = baseline[r["seed"]] + diffs[r["seed"]]
+    helps = confirmatory.report(runs, REGISTERED, RULES)["verdicts"]["confirmatory_fp8"]["r3 helps"]
+    assert helps["verdict"] == "yes" and helps["one_sided"] == 0.95
+    assert helps["low"] == pytest.approx(diffs.mean() - half(0.95)) and helps["low"] > 0
+    assert helps["high"] == pytest.approx(diffs.mean() + half(0.95))
+    text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES), registered=REGISTERED)
+    assert "| comparison | verdict | mean [one-sided 95 % t bounds] | seeds | notes |" in text
+    assert f"| r3 helps | yes | {helps['mean']:+.3f} [{helps['low']:+.3f}, {helps['high']:+.3f}] | 12 |" in text
+    assert "helps\" is yes when the lower bound is above 0" in text
+
+
+def test_a_verdict_below_the_acts_on_floor_keeps_its_ungated_value():
+    """TIS that touched too few tokens reads "not tested", yet what the t rule alone says is printed beside it."""
+    floor = RULES["acts_on_per_mechanism"]["floor"]
+    acts = {"tis": {RULES["acts_on_per_mechanism"]["ratio_tail"]: floor / 4}}
+    runs = fp8_grid(np.random.default_rng(1), {"tis": 0.07}, acts)
+    tis = confirmatory.report(runs, REGISTERED, RULES)["verdicts"]["confirmatory_fp8"]["tis helps"]
+    assert tis["verdict"] == "not tested" and tis["floor_ungated"] == "yes"
+    line = next(x for x in confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES)).splitlines()
+                if x.startswith("| tis helps |"))
+    assert f"{floor / 4:.3f} in its lowest seed (below the {floor:g} floor: not tested; ungated: yes)" in line
+
+
 def test_fp8_like_control_needs_a_learning_control():
     """"Trains like the control" means nothing when the control does not learn: gated by its regime, as the
     mechanism grid's verdicts; "helps" compares two arms and is not."""

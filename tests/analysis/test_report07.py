@@ -126,3 +126,23 @@ def test_report_links_only_the_figures_it_drew(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "dyn.png").exists()
     assert "07_mismatch_before_collapse.png" not in (tmp_path / "R.md").read_text()
     assert str(tmp_path / "dyn.png") not in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_confirmatory_figure_waits_for_the_grid_then_draws_its_verdicts(tmp_path):
+    """The registered fp8 grid's figure: none while a registered run is missing; once all are in, drawn."""
+    import numpy as np
+
+    registered = report.REGISTERED
+    path = {registered["rollout_path"]["key"]: registered["rollout_path"]["value"]}
+
+    def run(arm, rung, seed, end):
+        return {"arm": arm, "rung": rung, "seed": seed, "steps": 300, "steps_planned": 300, "eval_completions": 2048,
+                "path": dict(path), "pass1_start": 0.55, "pass1_end": end, "collapse_step": None, "acts_on": {}}
+
+    rng = np.random.default_rng(0)
+    runs = [run("fp32_control", "fp32", s, 0.70 + rng.normal(0, 0.01)) for s in range(12)]
+    for arm in registered["grids"]["confirmatory_fp8"]["arms"]:
+        runs += [run(arm, "fp8", s, 0.64 + rng.normal(0, 0.01)) for s in range(12)]
+    assert report.confirmatory_figure(runs[:-1], tmp_path / "partial.png") is None
+    drawn = report.confirmatory_figure(runs, tmp_path / "fp8.png")
+    assert drawn is not None and Path(drawn).stat().st_size > 10_000

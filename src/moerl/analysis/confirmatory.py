@@ -202,10 +202,16 @@ def _paired(a: dict[int, dict], b: dict[int, dict], value) -> dict[int, float]:
     return {s: x - y for s, (x, y) in pairs.items() if x is not None and y is not None}
 
 
-def _interval(values: dict[int, float]) -> dict:
-    interval = power.t_interval(values.values())
+def _interval(values: dict[int, float], alpha: float | None = None) -> dict:
+    """The mean over seeds with an interval: for a verdict (``alpha`` given) the rule's own one-sided
+    (1 - alpha) t bounds -- the two-sided (1 - 2 alpha) interval -- so that the printed bounds are the ones
+    the verdict compares with its threshold; without ``alpha`` (no verdict) the two-sided 95 % interval.
+    The per-seed values are kept for the figures."""
+    level = 0.95 if alpha is None else 1 - 2 * alpha
+    interval = power.t_interval(values.values(), level=level)
     return {"n": len(values), "mean": interval[0] if interval else None,
-            "low": interval[1] if interval else None, "high": interval[2] if interval else None}
+            "low": interval[1] if interval else None, "high": interval[2] if interval else None,
+            "one_sided": None if alpha is None else 1 - alpha, "values": dict(values)}
 
 
 def regime(controls: dict[int, dict], rule: dict, assumed_gain: float | None = None) -> dict:
@@ -221,7 +227,7 @@ def regime(controls: dict[int, dict], rule: dict, assumed_gain: float | None = N
     sd = float(np.std(list(gains.values()), ddof=1)) if len(gains) >= 2 else float("nan")
     at = None if assumed_gain is None else t_power(assumed_gain, rule["lower_bound_above"], sd, len(gains), alpha,
                                                    "true mean gain, the earlier grids' control_gain")
-    return {"verdict": verdict, "gain": _interval(gains), "collapsed_seeds": collapsed, "power": at}
+    return {"verdict": verdict, "gain": _interval(gains, alpha), "collapsed_seeds": collapsed, "power": at}
 
 
 def _acted(arm: str, runs: dict[int, dict], rule: dict) -> tuple[str | None, list[float], bool | None]:
@@ -254,7 +260,7 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
     sd_control = _pooled_sd([_paired(_by_seed(runs, grid, arm, "fp8", registered), control, final) for arm in arms])
     behind = _paired(control, baseline, final)
     out["baseline behind control"] = {"verdict": power.t_verdict(behind.values(), 0.0, alpha=alpha),
-                                      "difference": "control - baseline", **_interval(behind),
+                                      "difference": "control - baseline", **_interval(behind, alpha),
                                       "power": t_power(helps["smallest_effect"], 0.0, sd_control, len(behind), alpha,
                                                        "the registered smallest effect")}
     for comparison in rules["confirmatory_comparisons"][grid]:
@@ -266,7 +272,8 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             diff = _paired(mine, control, final)
             verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
             out[comparison] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
-                                             "difference": f"{arm} - control", **_interval(diff),
+                                             "difference": f"{arm} - control",
+                                             **_interval(diff, 1 - like["level"]),
                                              "power": t_power(0.0, -like["margin"], sd_control, len(diff),
                                                               1 - like["level"], "no true difference")},
                                             regime_verdict)
@@ -274,15 +281,24 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             diff = _paired(mine, baseline, final)
             measure, shares, acted = _acted(arm, mine, acts)
             verdict = power.t_verdict(diff.values(), helps["threshold"], alpha=alpha)
-            if acted is False:
-                verdict = "not tested"
             n = len(diff)
-            out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff),
+            out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff, alpha),
                                "acts_on": {"measure": measure, "min": min(shares) if shares else None,
-                                           "floored": acted is not None},
+                                           "floored": acted is not None, "floor": acts["floor"]},
                                "power": t_power(helps["smallest_effect"], helps["threshold"], sd, n, alpha,
                                                 "the registered smallest effect")}
+            if acted is False:  # the mechanism touched too few tokens for an effect to be put down to it
+                out[comparison] = {**out[comparison], "verdict": NOT_TESTED, "floor_ungated": verdict}
     return out
+
+
+def minus_control(runs: list[dict], registered: dict, grid: str = "confirmatory_fp8") -> dict[str, dict[int, float]]:
+    """Per arm of ``grid`` (at its one rung), each seed's final held-out pass@1 minus the confirmatory
+    control's of the same seed: the quantity the "like the control" rule reads, for every arm."""
+    spec = path_grids(registered)[grid]
+    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
+    return {arm: _paired(_by_seed(runs, grid, arm, spec.rungs[0], registered), control, final) for arm in spec.arms}
 
 
 def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
@@ -384,7 +400,8 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
                 sd_control = _pooled_sd([_paired(arm_at(a, rung), control, final) for a in grid.arms
                                          if rung in grid.only.get(a, grid.rungs)])
                 out[key] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
-                                          "difference": f"{arm} - control", **_interval(diff),
+                                          "difference": f"{arm} - control",
+                                          **_interval(diff, 1 - like["level"]),
                                           "power": t_power(0.0, -like["margin"], sd_control, len(diff),
                                                            1 - like["level"], "no true difference")},
                                          regime_verdict)
@@ -397,7 +414,7 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
                 sd = _pooled_sd([_paired(arm_at(a, rung), baseline, final) for a in grid.arms
                                  if a != "baseline" and rung in grid.only.get(a, grid.rungs)])
                 out[key] = {"kind": "helps_over", "verdict": power.t_verdict(diff.values(), helps["threshold"], alpha),
-                            "difference": f"{arm} - {other}", **_interval(diff),
+                            "difference": f"{arm} - {other}", **_interval(diff, alpha),
                             "power": t_power(helps["smallest_effect"], helps["threshold"], sd, len(diff), alpha,
                                              "the registered smallest effect")}
     return out
@@ -479,8 +496,17 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
         left = "—" if left is None else "none" if left == 0 else f"{left / 3600:.1f} h"
         lines.append(f"| {name} | {p['planned']} | {p['finished']} | {left} | {state} | {where} |")
     target = (registered or {}).get("rules", {}).get("power", {}).get("value", {}).get("target", power.TARGET_POWER)
+    if result["verdicts"] and registered is not None:
+        rules = rules_of(registered)
+        lines += ["", "Each t-rule verdict is printed with the bounds its rule reads: the one-sided 95 % t bounds "
+                  "of the mean over seeds (together the two-sided 90 % interval). \"helps\" is yes when the lower "
+                  f"bound is above {rules['helps_t']['threshold']:g}; \"like the control\" yes when it is above "
+                  f"−{rules['like_control_t']['margin']:g} and no when the upper bound is below; the regime yes when "
+                  f"the control's mean gain has its lower bound above {rules['regime_t']['lower_bound_above']:g}."]
     for grid, verdicts in result["verdicts"].items():
-        lines += ["", f"**{grid}**", "", "| comparison | verdict | mean [95 % t interval] | seeds | notes |",
+        levels = {x["one_sided"] for v in verdicts.values() for x in (v.get("gain", v),) if x.get("one_sided")}
+        bounds = " / ".join(f"{100 * q:g} %" for q in sorted(levels)) or "95 %"
+        lines += ["", f"**{grid}**", "", f"| comparison | verdict | mean [one-sided {bounds} t bounds] | seeds | notes |",
                   "|---|---|---|---|---|"]
         for name, v in verdicts.items():
             interval = v.get("gain", v)
@@ -496,8 +522,11 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
             if v.get("power"):
                 notes.append(power_note(v["power"], target))
             if v.get("acts_on", {}).get("min") is not None:
-                notes.append(f"{v['acts_on']['measure']} ≥ {v['acts_on']['min']:.3f}"
-                             + ("" if v["acts_on"]["floored"] else " (reported, not floored)"))
+                acts = v["acts_on"]
+                notes.append(f"{acts['measure']} {acts['min']:.3f} in its lowest seed"
+                             + (" (reported, not floored)" if not acts["floored"] else
+                                f" (below the {acts['floor']:g} floor: not tested; ungated: {v['floor_ungated']})"
+                                if "floor_ungated" in v else f" (floor {acts['floor']:g}: met)"))
             if "k3_growth" in v:
                 notes.append("late / early k3 " + ", ".join(f"{g:.2f}" for g in v["k3_growth"]))
             if label is not None and registered is not None:

@@ -439,8 +439,24 @@ def beside(v: dict, kind: str) -> str:
             f"{pw.get('seeds_for_80') or '—'} seeds for 80 %)")
 
 
-def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
-    """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.analysis.dose, moerl.analysis.verdicts)."""
+def registered_beside(registered: dict | None, rung: str, arm: str) -> str:
+    """Where the registered grid at ``rung`` has judged ``arm`` again on more seeds: its verdicts, to read
+    beside the main grid's 3-seed row."""
+    verdicts = (registered or {}).get(f"confirmatory_{rung}") or {}
+    mine = {name.split(" ", 1)[1]: v for name, v in verdicts.items() if name.split(" ", 1)[0] == arm}
+    if not mine:
+        return ""
+    n = max(v.get("n") or 0 for v in mine.values())
+    said = "; ".join(f"{kind.replace('_', ' ')}: {v['verdict']}"
+                     + (f" (ungated {v['floor_ungated']}: acts-on floor)" if "floor_ungated" in v else "")
+                     for kind, v in mine.items())
+    return f" — **registered {rung} grid ({n} seeds, below): {said}**"
+
+
+def claims_markdown(runs: list[dict], table: dict[str, dict], registered: dict | None = None) -> str:
+    """claim | source | moerl | verdict, from the ladder and the main grid (rules: moerl.analysis.dose,
+    moerl.analysis.verdicts); where a registered grid judged an arm again at the same rung (``registered``:
+    its verdicts by grid), those verdicts beside the row."""
     controls = [r for r in runs if r["arm"] == "fp32_control" and r["steps"] == r["steps_planned"]]
     learns = len(controls) >= 3 and all(control_learns(r) for r in controls)
     ladder, control = ladder_rows(runs)
@@ -469,7 +485,8 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"{_interval(r3['minus_baseline'])}; collapsed {r3['collapsed']} of {len(r3['seeds'])} "
                          f"(baseline {g['baseline_collapsed']}) | **{cell(r3, 'like_control', 'r3')}** "
                          f"{beside(r3, 'like_control')} (helps: {cell(r3, 'helps', 'r3')} {beside(r3, 'helps')}; "
-                         f"prevents collapse: {cell(r3, 'prevents_collapse', 'r3')}){_provisional(r3)} |")
+                         f"prevents collapse: {cell(r3, 'prevents_collapse', 'r3')}){_provisional(r3)}"
+                         f"{registered_beside(registered, rung, 'r3')} |")
         if g.get("r3_reduces_mismatch"):
             m = g["r3_reduces_mismatch"]
             ratios = ", ".join(f"{x:.2f}" for x in m["k3_ratio"].values())
@@ -487,7 +504,7 @@ def claims_markdown(runs: list[dict], table: dict[str, dict]) -> str:
                          f"{_interval(tis['minus_control'])}; share of tokens with ρ outside [1/2, 2] per seed "
                          f"{', '.join(fmt(a) for a in tis['acted_frac'])} | **{cell(tis, 'like_control', 'tis')}** "
                          f"{beside(tis, 'like_control')}{pre_note}"
-                         f"{_provisional(tis)} |")
+                         f"{_provisional(tis)}{registered_beside(registered, rung, 'tis')} |")
         if tis:
             lines.append(f"| TIS does not stop the drift (rung {rung}) | Mind Lab R3 blog | k3 late / early "
                          f"{EARLY_LATE_WINDOW} steps per seed: baseline {_growths(tis['baseline_k3_growth'])}, TIS "
@@ -799,7 +816,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = grid(runs)
     shifts = thresholds(runs, table)
-    text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n" + claims_markdown(runs, table)
+    registered = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))["verdicts"]
+    text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n"
+            + claims_markdown(runs, table, registered)
             + power_plan(table) + confirmatory_markdown(every_run) + registration_markdown(every_run))
     (out / "ladder.md").write_text(text)
     (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,

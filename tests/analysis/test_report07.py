@@ -146,3 +146,14 @@ def test_confirmatory_figure_waits_for_the_grid_then_draws_its_verdicts(tmp_path
     assert report.confirmatory_figure(runs[:-1], tmp_path / "partial.png") is None
     drawn = report.confirmatory_figure(runs, tmp_path / "fp8.png")
     assert drawn is not None and Path(drawn).stat().st_size > 10_000
+
+
+def test_a_main_grid_row_shows_the_registered_grid_that_judged_its_arm_again():
+    registered = {"confirmatory_fp8": {
+        "r3 like_control": {"verdict": "inconclusive", "n": 12}, "r3 helps": {"verdict": "yes", "n": 12},
+        "tis helps": {"verdict": "not tested", "floor_ungated": "yes", "n": 12}}}
+    assert report.registered_beside(registered, "fp8", "r3") == \
+        " — **registered fp8 grid (12 seeds, below): like control: inconclusive; helps: yes**"
+    assert "helps: not tested (ungated yes: acts-on floor)" in report.registered_beside(registered, "fp8", "tis")
+    assert report.registered_beside(registered, "nvfp4", "r3") == ""  # no registered grid judged it there
+    assert report.registered_beside(None, "fp8", "r3") == ""

@@ -62,6 +62,10 @@ def test_dose_answer_names_the_threshold_from_the_runs():
             run("baseline", "nvfp4", 0, 120, 0.05), run("tis", "nvfp4", 0, None, 0.58)]
     text = answers.dose_ladder(runs)
     assert "first collapses at rollout nvfp4" in text and "tis -0.020 (n=1)" in text
+    registered = {"confirmatory_fp8": {"r3 like_control": {"verdict": "inconclusive"}, "r3 helps": {"verdict": "yes"}}}
+    assert text.endswith("(n=1).")  # no registered grid complete: nothing said of one
+    assert answers.dose_ladder(runs, registered).endswith(
+        "Registered grid confirmatory_fp8: r3 like_control inconclusive; r3 helps yes.")
     runs[2]["collapse_step"] = None
     assert "no threshold" in answers.dose_ladder(runs)
 

@@ -209,9 +209,11 @@ def geometry(preds: pd.DataFrame, paper: float, gpu: pd.DataFrame | None = None)
     return HEAD + "share of tokens with ≥ 1 re-routed MoE layer — " + "; ".join(parts) + "." + verdict
 
 
-def dose_ladder(runs: list[dict]) -> str:
-    """Notebook 08: the threshold rung (moerl.analysis.dose.threshold on the seed-0 ladder), and at
-    each main-grid rung each arm's final held-out pass@1 minus the control's on the same seed."""
+def dose_ladder(runs: list[dict], registered: dict | None = None) -> str:
+    """Notebook 08: the threshold rung (moerl.analysis.dose.threshold on the seed-0 ladder), at each
+    main-grid rung each arm's final held-out pass@1 minus the control's on the same seed, and the verdicts
+    of the registered grids that are complete (``registered``: moerl.analysis.confirmatory.report's
+    ``verdicts``), which judge the same arms again on more seeds."""
     from moerl.analysis.dose import threshold
 
     control = next((r for r in runs if r["arm"] == "fp32_control" and r["seed"] == 0), None)
@@ -231,4 +233,6 @@ def dose_ladder(runs: list[dict]) -> str:
                 diffs.setdefault(r["arm"], []).append(r["pass1_end"] - controls[r["seed"]])
         out.append(f"At rollout {g}, final held-out pass@1 minus the control's (mean over seeds): "
                    + ", ".join(f"{a} {np.mean(d):+.3f} (n={len(d)})" for a, d in sorted(diffs.items())) + ".")
+    for grid, verdicts in (registered or {}).items():
+        out.append(f"Registered grid {grid}: " + "; ".join(f"{name} {v['verdict']}" for name, v in verdicts.items()) + ".")
     return " ".join(out)

@@ -78,8 +78,12 @@ def test_notebook_runs_from_analysis_and_ends_with_its_answer(path, kernel_name,
     nb = _execute(path, kernel_name)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
-    # Each notebook draws at least one figure (inline PNG), so the kernel kept its inline backend.
+    # Each notebook displays a figure (inline PNG), and every cell that makes one with plt.subplots shows it: no
+    # cell left the kernel off its inline backend (a report's figure function draws off-screen, on Agg).
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure was displayed"
+    drawing = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "plt.subplots(" in c.source]
+    blank = [i for i in drawing if not any("image/png" in o.get("data", {}) for o in nb.cells[i].outputs)]
+    assert not blank, f"{path.name}: cells {blank} draw a figure that is not displayed"
     assert "Answer, computed from these runs" in _answer(nb), f"{path.name}: no computed answer at the end"
 
 

@@ -205,13 +205,12 @@ def _paired(a: dict[int, dict], b: dict[int, dict], value) -> dict[int, float]:
 def _interval(values: dict[int, float], alpha: float | None = None) -> dict:
     """The mean over seeds with an interval: for a verdict (``alpha`` given) the rule's own one-sided
     (1 - alpha) t bounds -- the two-sided (1 - 2 alpha) interval -- so that the printed bounds are the ones
-    the verdict compares with its threshold; without ``alpha`` (no verdict) the two-sided 95 % interval.
-    The per-seed values are kept for the figures."""
+    the verdict compares with its threshold; without ``alpha`` (no verdict) the two-sided 95 % interval."""
     level = 0.95 if alpha is None else 1 - 2 * alpha
     interval = power.t_interval(values.values(), level=level)
     return {"n": len(values), "mean": interval[0] if interval else None,
             "low": interval[1] if interval else None, "high": interval[2] if interval else None,
-            "one_sided": None if alpha is None else 1 - alpha, "values": dict(values)}
+            "one_sided": None if alpha is None else 1 - alpha}
 
 
 def regime(controls: dict[int, dict], rule: dict, assumed_gain: float | None = None) -> dict:

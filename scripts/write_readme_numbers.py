@@ -12,6 +12,7 @@ for 06. tests/test_readme_numbers.py runs --check, so a README that drifts from 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import re
 import sys
@@ -196,6 +197,7 @@ def section_07(runs_root: Path) -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=None)  # two sections read the same runs; cleared at each main()
 def _confirmatory(runs_root: Path) -> dict:
     from moerl.analysis import confirmatory
     from moerl.analysis.dose import load_runs
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma-separated sections (of {', '.join(SECTIONS)}; default all)")
     ap.add_argument("--root", default=str(REPO), help="where the READMEs are (default: this repository)")
     args = ap.parse_args(argv)
+    _confirmatory.cache_clear()  # results may have changed since a previous call in this process
     wanted = [n for n in args.only.split(",") if n] or list(SECTIONS)
     unknown = [n for n in wanted if n not in SECTIONS]
     if unknown:

@@ -694,8 +694,7 @@ def confirmatory_figure(every_run: list[dict], path: Path) -> Path | None:
 
     def verdict_line(name: str) -> str:
         v = verdicts[name]
-        late = label([r for r in confirmatory.RULES_USED[v.get("kind") or confirmatory._kind(name)]
-                      if "confirmatory_fp8" in REGISTERED["rules"][r]["grids"]], "confirmatory_fp8")
+        late = label(confirmatory.rules_used(name, v, "confirmatory_fp8", REGISTERED), "confirmatory_fp8")
         kind = "behind the control" if name.endswith("behind control") else name.split(" ", 1)[1].replace("_", " ")
         gate = ("\n(acts on < floor; ungated " + v["floor_ungated"] + ")" if "floor_ungated" in v
                 else "\n(regime gate; ungated " + v["ungated"] + ")" if "ungated" in v else "")

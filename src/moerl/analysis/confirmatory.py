@@ -460,6 +460,11 @@ def _kind(comparison: str) -> str:
             else comparison.split(" ", 1)[1])
 
 
+def rules_used(name: str, verdict: dict, grid: str, registered: dict) -> list[str]:
+    """The registered rules of ``grid`` that verdict ``name`` is computed under (for its post-hoc label)."""
+    return [r for r in RULES_USED[verdict.get("kind") or _kind(name)] if grid in registered["rules"][r]["grids"]]
+
+
 def power_note(at: dict, target: float) -> str:
     """'power 0.97 at a true +0.025 (why); reaches 80 %' for a t rule; for an every-seed rule its power at
     each assumed per-seed probability, and whether the registered target is reached."""
@@ -529,8 +534,7 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
             if "k3_growth" in v:
                 notes.append("late / early k3 " + ", ".join(f"{g:.2f}" for g in v["k3_growth"]))
             if label is not None and registered is not None:
-                rules = [r for r in RULES_USED[v.get("kind") or _kind(name)]
-                         if grid in registered["rules"][r]["grids"]]
+                rules = rules_used(name, v, grid, registered)
                 late = label(rules, grid)
                 if late:
                     notes.append(f"*{late}*")

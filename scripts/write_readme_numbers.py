@@ -216,6 +216,8 @@ def section_07_registered(runs_root: Path) -> str:
     return "\n".join(line for line in text if not line.startswith("### "))
 
 
+FRONT_PAGE = "README.md"
+FRONT_PAGE_LIMIT = 15 * 1024  # bytes: the front page is read in one sitting; longer tables live in the experiments' READMEs
 HEADLINE_VERDICTS = 8  # a grid with more verdicts than this is tallied on the front page, which must stay short
 
 
@@ -229,7 +231,8 @@ def section_07_headline(runs_root: Path) -> str:
         if len(verdicts) > HEADLINE_VERDICTS:  # a per-rung grid: its tally, the verdicts in the experiment's README
             tally: dict[str, int] = {}
             for v in verdicts.values():
-                tally[v["verdict"]] = tally.get(v["verdict"], 0) + 1
+                kind = v["verdict"].split(" (")[0]  # "partly (2 of 5)" and "partly (3 of 5)" tally as partly
+                tally[kind] = tally.get(kind, 0) + 1
             items = [f"{len(verdicts)} verdicts: " + ", ".join(f"{k} **{t}**" for t, k in tally.items())]
         else:
             items = [f"{name.replace('like_control', 'like control')} **{v['verdict']}**"
@@ -292,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
             if new != old:
                 stale.append(f"{path.relative_to(root)}: section '{name}'")
             texts[path] = new
+    front = root / FRONT_PAGE
+    if front in texts and len(texts[front].encode()) > FRONT_PAGE_LIMIT:
+        print(f"{FRONT_PAGE}: would be {len(texts[front].encode())} bytes with the generated sections, over its "
+              f"{FRONT_PAGE_LIMIT}-byte limit; shorten its prose or tally a section (nothing written)")
+        return 1
     if args.check:
         if stale:
             print("stale generated sections (run python scripts/write_readme_numbers.py):\n  " + "\n  ".join(stale))

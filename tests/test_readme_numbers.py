@@ -41,9 +41,22 @@ def test_a_missing_section_is_named(tmp_path):
         numbers.main(["--only", "experiments", "--root", str(tmp_path)])
 
 
+def test_a_front_page_grown_past_its_limit_is_refused_before_writing(tmp_path, capsys):
+    """A grid that completes adds verdict lines to the front page: the writer refuses, names the page and the
+    limit, and leaves the file as it was, rather than committing a page the tests then reject."""
+    readme = tmp_path / "README.md"
+    begin, end = numbers.markers("experiments")
+    readme.write_text(f"{begin}\n{end}\n" + "x" * numbers.FRONT_PAGE_LIMIT)
+    before = readme.read_text()
+    assert numbers.main(["--only", "experiments", "--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("README.md: would be") and f"{numbers.FRONT_PAGE_LIMIT}-byte limit" in out
+    assert readme.read_text() == before
+
+
 def test_front_page_stays_short_and_lists_every_experiment():
     text = (REPO / "README.md").read_text()
-    assert len(text.encode()) <= 15 * 1024
+    assert len(text.encode()) <= numbers.FRONT_PAGE_LIMIT
     table = text[text.index(numbers.markers("experiments")[0]):text.index(numbers.markers("experiments")[1])]
     for exp in sorted(p.name for p in (REPO / "experiments").iterdir() if p.name[:2].isdigit()):
         assert f"[{exp}](experiments/{exp}/README.md)" in table
@@ -74,3 +87,22 @@ def test_the_experiments_table_counts_the_runs_themselves(tmp_path):
     (tmp_path / "07_x" / "sweep.json").write_text('{"invocations": [], "runs": {}, "total_wall_seconds": 0}')
     assert numbers.recorded_runs(tmp_path / "07_x") == (2, 11.0)
     assert numbers.recorded_runs(tmp_path / "nowhere") == (0, 0)
+
+
+def test_the_headline_names_few_verdicts_and_tallies_many(monkeypatch):
+    """A grid with up to HEADLINE_VERDICTS verdicts is listed verdict by verdict; a per-rung grid is tallied,
+    "partly (k of n)" counted as one kind, so a completing grid adds a bounded line to the front page."""
+    many = {f"r3 prevents collapse at rung{i}": {"verdict": f"partly ({i} of 5)", "power": {"n": 5}} for i in (1, 2)}
+    many |= {f"baseline collapses at rung{i}": {"verdict": "yes", "power": {"n": 5}} for i in range(8)}
+    result = {"verdicts": {"few": {"r3 like_control": {"verdict": "inconclusive", "gain": {"n": 12}},
+                                   "tis helps": {"verdict": "not tested", "floor_ungated": "yes", "gain": {"n": 12}}},
+                           "many": many},
+              "progress": {"few": {"finished": 24, "planned": 24, "complete": True},
+                           "many": {"finished": 50, "planned": 50, "complete": True},
+                           "running": {"finished": 3, "planned": 20, "complete": False}}}
+    monkeypatch.setattr(numbers, "_confirmatory", lambda runs_root: {"result": result})
+    lines = numbers.section_07_headline(Path("unused")).splitlines()
+    assert lines[2] == ("- `few` (12 seeds): r3 like control **inconclusive**; "
+                        "tis helps **not tested** (acts-on floor)")
+    assert lines[3] == "- `many` (5 seeds): 10 verdicts: 2 **partly**, 8 **yes**"
+    assert lines[4] == "- still running: `running` 3/20"

@@ -27,6 +27,7 @@ from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO
                                  control_learns, dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
                                  mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
                                  run_summary, threshold, threshold_shift)
+from moerl.analysis.registered_figures import confirmatory_figure, drift_figure, mechanism_figure  # noqa: E402
 from moerl.analysis.registration import Registration, analysis_path  # noqa: E402
 from moerl.analysis.plots import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
@@ -673,62 +674,6 @@ def mitigation_figure(table: dict[str, dict], path: Path) -> Path | None:
     return save(fig, path)
 
 
-def confirmatory_figure(every_run: list[dict], path: Path) -> Path | None:
-    """One question: on the registered fp8 grid, which arm ends where the fp32 control ends? Per arm, each
-    seed's final held-out pass@1 minus the control's of the same seed, the mean with the one-sided 95 % t
-    bounds of its "like the control" rule, and under each arm its registered verdicts -- marked where a gate
-    decides them or a rule was set after the grid started. None until the grid's verdicts are unsealed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    result = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))
-    verdicts = result["verdicts"].get("confirmatory_fp8")
-    if not verdicts:
-        return None
-    path_runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is not None]
-    label = Registration(analysis_path(EXPERIMENT), runs=path_runs).labels
-    like = confirmatory.rules_of(REGISTERED)["like_control_t"]
-    differences = confirmatory.minus_control(every_run, REGISTERED)
-
-    def verdict_line(name: str) -> str:
-        v = verdicts[name]
-        late = label(confirmatory.rules_used(name, v, "confirmatory_fp8", REGISTERED), "confirmatory_fp8")
-        kind = "behind the control" if name.endswith("behind control") else name.split(" ", 1)[1].replace("_", " ")
-        gate = ("\n(acts on < floor; ungated " + v["floor_ungated"] + ")" if "floor_ungated" in v
-                else "\n(regime gate; ungated " + v["ungated"] + ")" if "ungated" in v else "")
-        return f"{kind}: {v['verdict']}{gate}{' *' if late else ''}"
-
-    fig, ax = plt.subplots(figsize=(10.5, 5.4))
-    arms = list(differences)
-    for i, arm in enumerate(arms):
-        values = differences[arm]
-        ax.scatter([i] * len(values), list(values.values()), color=arm_color(arm), alpha=0.7, zorder=3, s=18)
-        bounds = power.t_interval(values.values(), level=2 * like["level"] - 1)
-        if bounds:
-            mean, low, high = bounds
-            ax.errorbar(i + 0.22, mean, yerr=[[mean - low], [high - mean]], fmt="s", color="k", ms=4, capsize=4,
-                        zorder=4)
-    ax.axhline(0, color="k", lw=0.6)
-    ax.axhspan(-like["margin"], 0, color="tab:gray", alpha=0.2, lw=0,
-               label=f"at most {like['margin']:g} below the control: \"trains like it\" needs the lower bound here")
-    names = {arm: [n for n in verdicts if n.split(" ", 1)[0] == arm or (arm == "baseline" and n.startswith("baseline"))]
-             for arm in arms}
-    ax.set_xticks(range(len(arms)), [f"{arm}\n{len(differences[arm])} seeds\n" + "\n".join(verdict_line(n) for n in names[arm])
-                                    for arm in arms], fontsize=7)
-    ax.set_xlim(-0.6, len(arms) - 0.3)
-    ax.set_ylabel("final held-out pass@1 − control's (same seed)")
-    ax.legend(loc="lower right", fontsize=7)
-    regime = result["verdicts"]["confirmatory_control"]["regime"]["verdict"]
-    fig.suptitle("Experiment 07, registered fp8 grid: which arm ends where the fp32 control ends?\n"
-                 f"dots: seeds; square and bar: mean and its one-sided 95 % t bounds; control's regime: {regime}; "
-                 "under each arm its registered verdicts (\"helps\": against the baseline, paired by seed; * post hoc)",
-                 fontsize=9)
-    fig.tight_layout()
-    return save(fig, path)
-
-
 def dynamics_figure(runs: list[dict], path: Path) -> Path | None:
     """One question: does the mismatch grow before the uncorrected run collapses? Per rung (seed 0), the
     per-step k3 of the rollout against the fp32 trainer (25-step rolling median) along training, with the
@@ -795,6 +740,8 @@ def main() -> None:
     ap.add_argument("--dynamics-figure", default="results/figures/07_mismatch_before_collapse.png")
     ap.add_argument("--threshold-figure", default="results/figures/07_threshold_by_arm.png")
     ap.add_argument("--confirmatory-figure", default="results/figures/07_confirmatory_fp8.png")
+    ap.add_argument("--drift-figure", default="results/figures/07_drift_nvfp4_600.png")
+    ap.add_argument("--mechanism-figure", default="results/figures/07_mechanism.png")
     ap.add_argument("--results", default="results/RESULTS.md",
                     help="the section of this experiment in this file is rewritten ('' leaves it alone)")
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
@@ -824,7 +771,8 @@ def main() -> None:
                                                 default=str) + "\n")
     drawn = [figure(runs, Path(args.figure)), mitigation_figure(table, Path(args.mitigation_figure)),
              dynamics_figure(runs, Path(args.dynamics_figure)), thresholds_figure(shifts, Path(args.threshold_figure)),
-             confirmatory_figure(every_run, Path(args.confirmatory_figure))]
+             confirmatory_figure(every_run, Path(args.confirmatory_figure)),
+             drift_figure(every_run, Path(args.drift_figure)), mechanism_figure(every_run, Path(args.mechanism_figure))]
     if args.results:
         write_marked_section(args.results, "experiment 07", "experiments/07_dose_threshold/report.py", "\n".join([
             "## 07_dose_threshold", "",
@@ -836,7 +784,9 @@ def main() -> None:
             + (["![mismatch before the collapse](figures/07_mismatch_before_collapse.png)", ""] if drawn[2] else [])
             + (["![mitigations](figures/07_mitigations.png)", "",
                 "![threshold by arm](figures/07_threshold_by_arm.png)", ""] if table else [])
-            + (["![registered fp8 grid](figures/07_confirmatory_fp8.png)", ""] if drawn[4] else [])))
+            + (["![registered fp8 grid](figures/07_confirmatory_fp8.png)", ""] if drawn[4] else [])
+            + (["![registered nvfp4 grid, 600 steps](figures/07_drift_nvfp4_600.png)", ""] if drawn[5] else [])
+            + (["![registered mechanism grid](figures/07_mechanism.png)", ""] if drawn[6] else [])))
     written = [out / "ladder.md", out / "ladder.json", *(p for p in drawn if p)] + ([args.results] if args.results else [])
     print(text + "wrote " + ", ".join(map(str, written)))
 

@@ -367,3 +367,54 @@ def test_a_mechanism_comparison_the_grid_cannot_judge_is_one_clear_error():
         with pytest.raises(ValueError, match="experiments/07_dose_threshold/analysis.yaml: "
                                              f"rules.confirmatory_comparisons.mechanism: .*{says}"):
             confirmatory.report(runs, REGISTERED, rules)
+
+
+# --- the registered grids' figures: none while a grid is sealed, then one question each --------------------
+
+def test_the_mechanism_figure_waits_for_the_grid_then_draws_every_cell(tmp_path):
+    from moerl.analysis import registered_figures
+
+    runs = mechanism_grid(np.random.default_rng(5))
+    assert registered_figures.mechanism_figure(runs[:-1], tmp_path / "partial.png") is None
+    assert not (tmp_path / "partial.png").exists()
+    drawn = registered_figures.mechanism_figure(runs, tmp_path / "mechanism.png")
+    assert drawn is not None and drawn.stat().st_size > 10_000
+    spec = confirmatory.path_grids(REGISTERED)["mechanism"]
+    verdicts = confirmatory.report(runs, REGISTERED, RULES)["verdicts"]["mechanism"]
+    # every verdict is drawn at the (arm, rung) it is about, and every such cell is one the grid ran
+    cells = {registered_figures._mechanism_rung(name, spec) for name in verdicts}
+    assert ("qat_int4", "int4_kimi") in cells and ("baseline", "nvfp4_attention") in cells
+    assert all(rung in spec.only.get(arm, spec.rungs) for arm, rung in cells)
+
+
+def test_the_drift_figure_waits_for_the_grid_then_draws_each_arm(tmp_path):
+    import json
+
+    from moerl.analysis import registered_figures
+
+    spec = confirmatory.path_grids(REGISTERED)["confirmatory_nvfp4_600"]
+    rng = np.random.default_rng(6)
+    runs = [run("fp32_control", "fp32", s, end=0.72 + rng.normal(0, 0.01)) for s in range(12)]
+    for arm in spec.arms:
+        growth = 12.0 if arm == "baseline" else 1.4
+        k3 = np.geomspace(0.01, 0.01 * growth, spec.steps)
+        metrics = tmp_path / arm / "metrics.jsonl"
+        metrics.parent.mkdir()
+        metrics.write_text("".join(json.dumps({"step": i + 1, "mismatch/k3": float(v)}) + "\n" for i, v in enumerate(k3)))
+        runs += [run(arm, "nvfp4", s, steps=spec.steps, run_dir=str(metrics.parent), k3_growth=growth,
+                     collapse=400 if arm == "baseline" else None,
+                     acts_on={"is/outside_band_frac": 0.05, "mask/token_frac": 0.05, "routing/any_layer_differs": 0.3})
+                 for s in spec.seeds]
+    assert registered_figures.drift_figure(runs[:-1], tmp_path / "partial.png") is None
+    verdicts = confirmatory.report(runs, REGISTERED, RULES)["verdicts"]["confirmatory_nvfp4_600"]
+    assert {v["verdict"] for v in verdicts.values()} == {"yes"}  # 1.4x > 1.2 in every seed: still drifting
+    drawn = registered_figures.drift_figure(runs, tmp_path / "drift.png")
+    assert drawn is not None and drawn.stat().st_size > 10_000
+
+
+def test_rolling_median_trails_and_ignores_a_spike():
+    from moerl.analysis.registered_figures import rolling_median
+
+    values = np.array([1.0, 1.0, 100.0, 1.0, 1.0])
+    assert rolling_median(values, window=3).tolist() == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert rolling_median(np.array([1.0, 3.0, 5.0]), window=2).tolist() == [1.0, 2.0, 4.0]

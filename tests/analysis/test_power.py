@@ -40,6 +40,8 @@ def test_power_matches_simulation():
     # the every-seed rule loses power with seeds; the t rule gains it
     assert power_every_seed(effect, threshold, sd, 10) < power_every_seed(effect, threshold, sd, 3)
     assert power_t(effect, threshold, sd, 10) > power_t(effect, threshold, sd, 3)
+    # no spread at all (identical seeds): the limit of the t rule, without a division by zero
+    assert power_t(effect, threshold, 0.0, n) == 1.0 and power_t(threshold, effect, 0.0, n) == 0.0
 
 
 def test_seeds_needed_is_the_first_n_reaching_80_percent():

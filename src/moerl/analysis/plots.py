@@ -56,6 +56,10 @@ ARM_COLORS = {
     "lora_shared": "#9467bd",
     "lora_shared_outer": "#c5b0d5",
     "refit_merged": "#e377c2",
+    # 07: the trainer's own weights fake-quantised to INT4 (golds)
+    "qat_int4": "#8c6d31",
+    "qat_int4_r3": "#bd9e39",
+    "qat_int4_tis": "#e7ba52",
 }
 _FALLBACK = plt.cm.tab20.colors
 

@@ -77,6 +77,8 @@ def power_t(effect: float, threshold: float, sd: float, n: int, alpha: float = A
     """Power of the one-sided t test of mean > ``threshold`` at true mean ``effect``, n paired seeds."""
     if n < 2:
         return float("nan")
+    if sd == 0:  # no spread: every sample sits at the true effect, so the test always or never passes
+        return 1.0 if effect > threshold else 0.0
     ncp = (effect - threshold) / (sd / np.sqrt(n))
     return float(stats.nct.sf(stats.t.ppf(1 - alpha, n - 1), n - 1, ncp))
 

@@ -180,18 +180,25 @@ def test_fp8_like_control_needs_a_learning_control():
 
 
 def test_drift_at_600_steps():
-    base = [run("baseline", "nvfp4", s, steps=600, k3_growth=g) for s, g in enumerate([8.0, 12.0, 9.0, 15.0, 10.0])]
+    base = [run("baseline", "nvfp4", s, steps=600, k3_growth=g, end=0.05, collapse=180 + 10 * s)
+            for s, g in enumerate([8.0, 12.0, 9.0, 15.0, 10.0])]
     tis_ratio = RULES["acts_on_per_mechanism"]["ratio_tail"]
     arms = [run("tis", "nvfp4", s, steps=600, k3_growth=1.5, acts_on={tis_ratio: 0.05}) for s in range(5)]
     arms += [run("icepop", "nvfp4", s, steps=600, k3_growth=1.05,
                  acts_on={RULES["acts_on_per_mechanism"]["masked"]: 0.1}) for s in range(5)]
     arms += [run("r3_tis", "nvfp4", s, steps=600, k3_growth=g) for s, g in enumerate([1.5, 1.0, 1.3, 1.1, 1.6])]
     controls = [run("fp32_control", "fp32", s, end=0.70) for s in range(12)]
-    out = confirmatory.report(base + arms + controls, REGISTERED, RULES)["verdicts"]
-    drift = out["confirmatory_nvfp4_600"]
+    arms[0]["collapse_step"] = 520  # one TIS seed collapses late: the correction only delayed it there
+    result = confirmatory.report(base + arms + controls, REGISTERED, RULES)
+    drift = result["verdicts"]["confirmatory_nvfp4_600"]
     assert drift["tis keeps_drifting"]["verdict"] == "yes" and drift["tis keeps_drifting"]["power"]["n"] == 5
     assert drift["icepop keeps_drifting"]["verdict"] == "no"
     assert drift["r3_tis keeps_drifting"]["verdict"] == "inconclusive"
+    # the registered-exploratory description beside the verdicts: each arm's collapses and when they came
+    rows = {r["arm"]: r for r in result["exploratory"]["confirmatory_nvfp4_600"]}
+    assert rows["baseline"]["collapse_steps"] == [180, 190, 200, 210, 220] and rows["tis"]["collapse_steps"] == [520]
+    text = confirmatory.markdown(result)
+    assert "| tis | nvfp4 | 1 of 5 (520) |" in text and "| icepop | nvfp4 | 0 of 5 |" in text
 
 
 @pytest.mark.parametrize("grid", confirmatory.PATH_GRIDS)
@@ -354,7 +361,7 @@ def test_mechanism_markdown_with_its_post_hoc_labels():
     assert (("like_control_t", "regime_t", "collapse"), "mechanism") in seen
     assert not any("prevents_collapse_seeds" in rules for rules, _ in seen)
     assert "**mechanism — exploratory** (no verdict" in text
-    assert "| baseline | int4_experts | 2 of 5 |" in text and "| qat_int4_tis | int4_kimi | 0 of 5 | 0.600" in text
+    assert "| baseline | int4_experts | 2 of 5 (150, 150) |" in text and "| qat_int4_tis | int4_kimi | 0 of 5 | 0.600" in text
 
 
 def test_a_mechanism_comparison_the_grid_cannot_judge_is_one_clear_error():

@@ -40,8 +40,10 @@ q ** n at assumed per-seed chances q (EVENT_PROBABILITIES); each says whether it
 The verdicts that need a learning control (collapses, prevents collapse, like the control -- here and at
 fp8) read "not tested" unless the confirmatory control's ``regime_t`` verdict is yes; the ungated verdict is kept beside
 them. Every registered (arm, rung) also gets an exploratory row (collapsed seeds, mean final pass@1 with its
-t interval, median run k3) with no verdict. Like the fp8 verdicts, the mechanism verdicts wait for both the
-mechanism grid and the confirmatory control to be complete; the exploratory rows for the mechanism grid.
+t interval, median run k3) with no verdict; so does every arm of the 600-step nvfp4 grid, with its collapse
+steps (does a correction stop the collapse or only delay it?). Like the fp8 verdicts, the mechanism verdicts
+wait for both the mechanism grid and the confirmatory control to be complete; a grid's exploratory rows for
+the grid alone.
 """
 from __future__ import annotations
 
@@ -419,10 +421,11 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
     return out
 
 
-def mechanism_table(runs: list[dict], registered: dict) -> list[dict]:
-    """Exploratory, no verdict: per registered (arm, rung) of the mechanism grid, the seeds that collapsed,
-    the mean final pass@1 with its 95 % t interval, and the median over seeds of the run-median k3."""
-    grid = path_grids(registered)["mechanism"]
+def exploratory_table(runs: list[dict], registered: dict, grid_name: str) -> list[dict]:
+    """Exploratory, no verdict: per registered (arm, rung) of a grid, the seeds that collapsed and their
+    collapse steps (at 600 steps: does a correction only delay the collapse?), the mean final pass@1 with its
+    95 % t interval, and the median over seeds of the run-median k3."""
+    grid = path_grids(registered)[grid_name]
     rows = []
     for arm in grid.arms:
         for rung in grid.only.get(arm, grid.rungs):
@@ -430,18 +433,25 @@ def mechanism_table(runs: list[dict], registered: dict) -> list[dict]:
             finals = {s: r["pass1_end"] for s, r in mine.items() if r.get("pass1_end") is not None}
             k3 = [r["k3_median"] for r in mine.values() if r.get("k3_median") is not None]
             rows.append({"arm": arm, "rung": rung, "n": len(mine), "collapsed": len(_collapsed(mine)),
+                         "collapse_steps": [mine[s]["collapse_step"] for s in _collapsed(mine)],
                          "pass1_end": _interval(finals), "k3_median": float(np.median(k3)) if k3 else None})
     return rows
+
+
+# The grids whose every (arm, rung) is also described, without a verdict, once the grid is complete: the
+# mechanism grid's cells, and the 600-step grid's pass@1 and collapse steps (registered as exploratory).
+EXPLORATORY_GRIDS = ("confirmatory_nvfp4_600", "mechanism")
 
 
 def report(runs: list[dict], registered: dict, rules: dict) -> dict:
     """Progress of every path grid; the verdicts of each grid once it and the confirmatory control are
     complete (the control's alone once it is); the mechanism grid's exploratory table once that grid is
-    complete (``exploratory``)."""
+    complete (``exploratory``; also the 600-step grid's)."""
     status = progress(runs, registered)
     out = {"progress": status, "verdicts": {}, "exploratory": {}}
-    if status.get("mechanism", {}).get("complete"):
-        out["exploratory"]["mechanism"] = mechanism_table(runs, registered)
+    for grid in EXPLORATORY_GRIDS:
+        if status.get(grid, {}).get("complete"):
+            out["exploratory"][grid] = exploratory_table(runs, registered, grid)
     if status.get("confirmatory_control", {}).get("complete"):
         controls = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
         control_regime = regime(controls, rules["regime_t"], rules.get("control_gain"))
@@ -542,11 +552,12 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
                          f"{'; '.join(notes)} |")
     for grid, rows in result.get("exploratory", {}).items():
         lines += ["", f"**{grid} — exploratory** (no verdict: described, not tested)", "",
-                  "| arm | rung | collapsed | final pass@1 mean [95 % t interval] | median run k3 |",
+                  "| arm | rung | collapsed (at steps) | final pass@1 mean [95 % t interval] | median run k3 |",
                   "|---|---|---|---|---|"]
         for row in rows:
             p = row["pass1_end"]
             mean = (f"{p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}]" if p["mean"] is not None else "—")
             k3 = "—" if row["k3_median"] is None else f"{row['k3_median']:.2e}"
-            lines.append(f"| {row['arm']} | {row['rung']} | {row['collapsed']} of {row['n']} | {mean} | {k3} |")
+            steps = f" ({', '.join(map(str, row['collapse_steps']))})" if row.get("collapse_steps") else ""
+            lines.append(f"| {row['arm']} | {row['rung']} | {row['collapsed']} of {row['n']}{steps} | {mean} | {k3} |")
     return "\n".join(lines) + "\n"

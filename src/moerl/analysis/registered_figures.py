@@ -13,7 +13,9 @@ uses was set after the grid's first run (post hoc).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -27,18 +29,26 @@ from moerl.tracking import read_metrics
 ROLLING = 25  # steps: per-step k3 is heavy-tailed; a rolling median shows its trend
 
 
-def _unsealed(every_run: list[dict], grid: str) -> tuple[dict, dict] | None:
-    """(the grid's verdicts, the whole report) once the grid is unsealed; None before."""
+@dataclass(frozen=True)
+class Unsealed:
+    """A grid whose verdicts may be drawn: its verdicts, the whole report, its registered plan, and
+    ``late(name, verdict)``: ' *' where a rule the verdict uses was set after the grid's first run, else ''."""
+    verdicts: dict
+    result: dict
+    spec: confirmatory.Grid
+    late: Callable[[str, dict], str]
+
+
+def _unsealed(every_run: list[dict], grid: str) -> Unsealed | None:
+    """The grid once its verdicts are unsealed; None before."""
     result = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))
     verdicts = result["verdicts"].get(grid)
-    return (verdicts, result) if verdicts else None
-
-
-def _post_hoc_mark(every_run: list[dict], grid: str):
-    """name, verdict -> ' *' where a rule the verdict uses was set after the grid's first run, else ''."""
+    if not verdicts:
+        return None
     path_runs = [r for r in every_run if confirmatory.grid_of(r, REGISTERED) is not None]
     label = Registration(analysis_path(EXPERIMENT), runs=path_runs).labels
-    return lambda name, v: " *" if label(confirmatory.rules_used(name, v, grid, REGISTERED), grid) else ""
+    return Unsealed(verdicts, result, confirmatory.path_grids(REGISTERED)[grid],
+                    lambda name, v: " *" if label(confirmatory.rules_used(name, v, grid, REGISTERED), grid) else "")
 
 
 def _gate(v: dict, sep: str = " ") -> str:
@@ -62,12 +72,10 @@ def confirmatory_figure(every_run: list[dict], path: Path) -> Path | None:
     """One question: on the registered fp8 grid, which arm ends where the fp32 control ends? Per arm, each
     seed's final held-out pass@1 minus the control's of the same seed, the mean with the one-sided 95 % t
     bounds of its "like the control" rule, and under each arm its registered verdicts."""
-    grid = "confirmatory_fp8"
-    unsealed = _unsealed(every_run, grid)
-    if unsealed is None:
+    grid = _unsealed(every_run, "confirmatory_fp8")
+    if grid is None:
         return None
-    verdicts, result = unsealed
-    late = _post_hoc_mark(every_run, grid)
+    verdicts, late = grid.verdicts, grid.late
     like = confirmatory.rules_of(REGISTERED)["like_control_t"]
     differences = confirmatory.minus_control(every_run, REGISTERED)
 
@@ -96,7 +104,7 @@ def confirmatory_figure(every_run: list[dict], path: Path) -> Path | None:
     ax.set_xlim(-0.6, len(arms) - 0.3)
     ax.set_ylabel("final held-out pass@1 − control's (same seed)")
     ax.legend(loc="lower right", fontsize=7)
-    regime = result["verdicts"]["confirmatory_control"]["regime"]["verdict"]
+    regime = grid.result["verdicts"]["confirmatory_control"]["regime"]["verdict"]
     fig.suptitle("Experiment 07, registered fp8 grid: which arm ends where the fp32 control ends?\n"
                  f"dots: seeds; square and bar: mean and its one-sided 95 % t bounds; control's regime: {regime}; "
                  "under each arm its registered verdicts (\"helps\": against the baseline, paired by seed; * post hoc)",
@@ -110,17 +118,14 @@ def drift_figure(every_run: list[dict], path: Path) -> Path | None:
     One panel per arm: each seed's per-step k3 of the rollout against the fp32 trainer (rolling median), the
     early and late windows the drift rule compares shaded, collapse steps marked, and the arm's registered
     ``keeps drifting`` verdict with each seed's late / early growth."""
-    grid = "confirmatory_nvfp4_600"
-    unsealed = _unsealed(every_run, grid)
-    if unsealed is None:
+    grid = _unsealed(every_run, "confirmatory_nvfp4_600")
+    if grid is None:
         return None
-    verdicts, _ = unsealed
-    late = _post_hoc_mark(every_run, grid)
-    spec = confirmatory.path_grids(REGISTERED)[grid]
+    verdicts, late, spec = grid.verdicts, grid.late, grid.spec
     rung = spec.rungs[0]
     fig, axes = plt.subplots(1, len(spec.arms), figsize=(3.4 * len(spec.arms), 4.4), sharey=True, squeeze=False)
     for ax, arm in zip(axes[0], spec.arms):
-        runs = _members(every_run, grid, arm, rung)
+        runs = _members(every_run, spec.name, arm, rung)
         for shade, seed in zip(np.linspace(0.45, 1.0, len(runs)), sorted(runs)):
             run = runs[seed]
             rows = [r for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl") if "mismatch/k3" in r]
@@ -166,13 +171,10 @@ def mechanism_figure(every_run: list[dict], path: Path) -> Path | None:
 
     from matplotlib.transforms import blended_transform_factory
 
-    grid = "mechanism"
-    unsealed = _unsealed(every_run, grid)
-    if unsealed is None:
+    grid = _unsealed(every_run, "mechanism")
+    if grid is None:
         return None
-    verdicts, _ = unsealed
-    late = _post_hoc_mark(every_run, grid)
-    spec = confirmatory.path_grids(REGISTERED)[grid]
+    verdicts, late, spec = grid.verdicts, grid.late, grid.spec
     cells = [(rung, arm) for rung in spec.rungs for arm in spec.arms if rung in spec.only.get(arm, spec.rungs)]
     about: dict[tuple[str, str], list[str]] = {}
     for name, v in verdicts.items():
@@ -190,7 +192,7 @@ def mechanism_figure(every_run: list[dict], path: Path) -> Path | None:
     fig, (ax_c, ax_k) = plt.subplots(2, 1, figsize=(1.05 * x + 1.5, 8.6), sharex=True,
                                      gridspec_kw={"height_ratios": [1.3, 1]})
     for (rung, arm), xi in at.items():
-        runs = _members(every_run, grid, arm, rung)
+        runs = _members(every_run, spec.name, arm, rung)
         collapsed = sum(r.get("collapse_step") is not None for r in runs.values())
         share = collapsed / len(runs) if runs else 0.0
         ax_c.bar(xi, share, width=0.8, color=arm_color(arm), edgecolor="k", lw=0.4)

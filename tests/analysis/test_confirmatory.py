@@ -356,10 +356,10 @@ def test_mechanism_markdown_with_its_post_hoc_labels():
     assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; " \
            "power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 %; *post hoc (collapse: set by abc1234)* |" in text
     assert "| qat_int4_r3 helps over r3 at int4_kimi | yes | +0.1" in text
-    # only the rules registered for the mechanism grid are looked up (prevents_collapse_seeds judges the main grid)
+    # each kind of verdict is labelled under every rule it is computed with
     assert (("collapse", "regime_t"), "mechanism") in seen and (("helps_t",), "mechanism") in seen
     assert (("like_control_t", "regime_t", "collapse"), "mechanism") in seen
-    assert not any("prevents_collapse_seeds" in rules for rules, _ in seen)
+    assert (("prevents_collapse_seeds", "collapse", "regime_t"), "mechanism") in seen
     assert "**mechanism — exploratory** (no verdict" in text
     assert "| baseline | int4_experts | 2 of 5 (150, 150) |" in text and "| qat_int4_tis | int4_kimi | 0 of 5 | 0.600" in text
 

@@ -28,8 +28,8 @@ attention only, and Kimi-K2-Thinking's INT4 experts with the trainer-side fake-I
 counting collapsed seeds -- collapse against no collapse is a large effect, and 5 seeds of one kind make
 "every seed" p = 1/32 under a fair coin:
 - ``<arm> collapses``: yes when every seed collapsed, no when none, otherwise ``partly (k of n)``;
-- ``<arm> prevents collapse``: against the baseline at the same rung, counted on the arm's own seeds (the
-  main grid's ``prevents_collapse_seeds``): not tested where the baseline collapsed in no seed, yes when no
+- ``<arm> prevents collapse``: against the baseline at the same rung, counted on the arm's own seeds
+  (``prevents_collapse_seeds``, first written for the main grid): not tested where the baseline collapsed in no seed, yes when no
   seed of the arm collapsed, no when as many did, partly when fewer;
 - ``like_control_t`` against the confirmatory control and ``helps_t`` between two arms at one rung, as above,
   the latter with its power at the registered smallest effect from the grid's own pooled paired spread.
@@ -59,9 +59,8 @@ from moerl.analysis.verdicts import NO, NOT_TESTED, PARTLY, YES, keeps_drifting
 # The grids analysis.yaml says are recorded on its rollout path (its comment above ``rollout_path``).
 PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism")
 DEFAULT_STEPS = 300
-# The registered rules each kind of verdict is computed under (for its post-hoc label).
-# Only the rules registered for a verdict's grid are looked up (``prevents_collapse_seeds`` is the main grid's
-# rule, which the mechanism grid's "prevents collapse" follows; it judges no path grid).
+# The registered rules each kind of verdict is computed under (for its post-hoc label); only those whose
+# ``grids`` list the verdict's grid are looked up.
 RULES_USED = {"regime": ("regime_t", "collapse"), "like_control": ("like_control_t",),
               "helps": ("helps_t", "acts_on_per_mechanism"), "behind": ("helps_t",),
               "keeps_drifting": ("drift", "acts_on_per_mechanism"),

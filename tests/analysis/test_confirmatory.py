@@ -425,3 +425,16 @@ def test_rolling_median_trails_and_ignores_a_spike():
     values = np.array([1.0, 1.0, 100.0, 1.0, 1.0])
     assert rolling_median(values, window=3).tolist() == [1.0, 1.0, 1.0, 1.0, 1.0]
     assert rolling_median(np.array([1.0, 3.0, 5.0]), window=2).tolist() == [1.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("grid, kinds", [("confirmatory_control", ["regime"]),
+                                         ("confirmatory_fp8", ["behind", "like_control_gated", "helps"]),
+                                         ("confirmatory_nvfp4_600", ["keeps_drifting"]),
+                                         ("mechanism", ["collapses", "prevents_collapse", "like_control_gated",
+                                                        "helps_over"])])
+def test_every_rule_a_grids_verdicts_use_is_registered_for_that_grid(grid, kinds):
+    """A rule a verdict is computed under but whose ``grids`` omit the verdict's grid would escape the post-hoc
+    label there: a later change of its value would go unmarked."""
+    missing = [(kind, rule) for kind in kinds for rule in confirmatory.RULES_USED[kind]
+               if grid not in REGISTERED["rules"][rule]["grids"]]
+    assert missing == []

@@ -128,7 +128,8 @@ def drift_figure(every_run: list[dict], path: Path) -> Path | None:
         runs = _members(every_run, spec.name, arm, rung)
         for shade, seed in zip(np.linspace(0.45, 1.0, len(runs)), sorted(runs)):
             run = runs[seed]
-            rows = [r for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl") if "mismatch/k3" in r]
+            rows = [r for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+                    if isinstance(r.get("mismatch/k3"), (int, float))]
             steps = np.array([r["step"] for r in rows])
             k3 = rolling_median(np.array([r["mismatch/k3"] for r in rows], dtype=float))
             ax.semilogy(steps, k3, color=arm_color(arm), alpha=shade, lw=1)

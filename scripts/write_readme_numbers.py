@@ -244,6 +244,15 @@ def section_07_headline(runs_root: Path) -> str:
                      + ([f"- still running: {', '.join(left)}"] if left else []))
 
 
+def section_07_dose(out: Path) -> str:
+    """The dose each rung gives at the warm start (dose_at_warm_start.json): the table and its spans."""
+    import json
+
+    dose = _script("experiments/07_dose_threshold/dose_at_warm_start.py", "moerl_dose_at_warm_start")
+    points = json.loads((out / "dose_at_warm_start.json").read_text())
+    return "\n".join([*dose.table_lines(points), "", dose.summary_line(points)])
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
@@ -254,6 +263,8 @@ SECTIONS = {
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
     "07_headline": (["README.md"], lambda results: section_07_headline(results / "runs")),
+    "07_dose": (["experiments/07_dose_threshold/README.md"],
+                lambda results: section_07_dose(results / "07_dose_threshold")),
     "07_registered": (["experiments/07_dose_threshold/README.md"],
                       lambda results: section_07_registered(results / "runs")),
 }

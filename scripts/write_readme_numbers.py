@@ -197,6 +197,21 @@ def section_07(runs_root: Path) -> str:
     return "\n".join(lines)
 
 
+def section_07_main(runs_root: Path, rung: str) -> str:
+    """One rung of the main grid as the report prints it: per arm the paired differences and the verdicts,
+    with the regime gate and every post-hoc label."""
+    from moerl.analysis.dose import load_runs
+
+    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    runs = load_runs(runs_root)
+    report.registration(runs)  # the grid's start, which the post-hoc labels are judged against
+    g = report.grid(runs).get(rung)
+    if g is None:
+        return f"Main grid at {rung}: not run yet."
+    return "\n".join([f"Baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), control seeds "
+                      f"{g['control_seeds']}; regime: {g['regime']['status']}.", "", *report.grid_table(g)])
+
+
 @functools.lru_cache(maxsize=None)  # two sections read the same runs; cleared at each main()
 def _confirmatory(runs_root: Path) -> dict:
     from moerl.analysis import confirmatory
@@ -263,6 +278,10 @@ SECTIONS = {
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
     "07_headline": (["README.md"], lambda results: section_07_headline(results / "runs")),
+    "07_main_nvfp4": (["experiments/07_dose_threshold/README.md"],
+                      lambda results: section_07_main(results / "runs", "nvfp4")),
+    "07_main_fp8": (["experiments/07_dose_threshold/README.md"],
+                    lambda results: section_07_main(results / "runs", "fp8")),
     "07_dose": (["experiments/07_dose_threshold/README.md"],
                 lambda results: section_07_dose(results / "07_dose_threshold")),
     "07_registered": (["experiments/07_dose_threshold/README.md"],

@@ -304,24 +304,30 @@ def _growths(values: dict[int, float | None]) -> str:
     return ", ".join(f"{g:.3g}×" for g in values.values() if g is not None) or "—"
 
 
+def grid_table(g: dict) -> list[str]:
+    """One rung of the main grid: per arm its seeds, collapses, paired differences, what it acted on, its drift
+    and its verdicts, each with the regime gate and any post-hoc label (also the experiment README's table)."""
+    lines = ["| arm | seeds | collapsed (steps) | final pass@1 − baseline | final pass@1 − control | "
+             "acted on (share of tokens, per seed) | tokens keeping a gradient | k3 late / early 50 steps | helps | "
+             f"trains like the control (at most {MATCH_MARGIN} below) | prevents collapse |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, v in g["arms"].items():
+        acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
+        kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
+        lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
+                     f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
+                     f"{_growths(v['k3_growth'])} | {cell(v, 'helps', arm)} | {cell(v, 'like_control', arm)} | "
+                     f"{cell(v, 'prevents_collapse', arm)} |")
+    return lines
+
+
 def grid_markdown(table: dict[str, dict]) -> str:
     if not table:
         return "\nMain grid: not run yet.\n"
     lines = ["\nMain grid (finished runs; paired seeds; mean [min, max] over seeds; rules: moerl.analysis.dose):\n"]
     for rung, g in table.items():
         lines += [f"**rung {rung}** — baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), "
-                  f"control seeds {g['control_seeds']}", "",
-                  "| arm | seeds | collapsed (steps) | final pass@1 − baseline | final pass@1 − control | "
-                  "acted on (share of tokens, per seed) | tokens keeping a gradient | k3 late / early 50 steps | helps | "
-                  f"trains like the control (at most {MATCH_MARGIN} below) | prevents collapse |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for arm, v in g["arms"].items():
-            acted = ", ".join(fmt(a) for a in v["acted_frac"]) or "—"
-            kept = ", ".join(fmt(e) for e in v["effective_token_frac"].values())
-            lines.append(f"| {arm} | {v['seeds']}{_provisional(v)} | {v['collapsed']} ({v['collapse_steps'] or '—'}) | "
-                         f"{_interval(v['minus_baseline'])} | {_interval(v['minus_control'])} | {acted} | {kept} | "
-                         f"{_growths(v['k3_growth'])} | {cell(v, 'helps', arm)} | {cell(v, 'like_control', arm)} | "
-                         f"{cell(v, 'prevents_collapse', arm)} |")
+                  f"control seeds {g['control_seeds']}", "", *grid_table(g)]
         lines += ["", f"Regime (one gate for every verdict that needs a learning control): {g['regime']['status']}.",
                   "", *power_table(rung, g)]
         for arm, v in g["arms"].items():

@@ -197,6 +197,14 @@ def section_07(runs_root: Path) -> str:
     return "\n".join(lines)
 
 
+def section_07_ladder(runs_root: Path) -> str:
+    """The seed-0 ladder pilot's table, as the report prints it."""
+    from moerl.analysis.dose import load_runs
+
+    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    return "\n".join(report.ladder_table(report.ladder_rows(load_runs(runs_root))[0]))
+
+
 def section_07_main(runs_root: Path, rung: str) -> str:
     """One rung of the main grid as the report prints it: per arm the paired differences and the verdicts,
     with the regime gate and every post-hoc label."""
@@ -278,6 +286,7 @@ SECTIONS = {
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
     "07_headline": (["README.md"], lambda results: section_07_headline(results / "runs")),
+    "07_ladder": (["experiments/07_dose_threshold/README.md"], lambda results: section_07_ladder(results / "runs")),
     "07_main_nvfp4": (["experiments/07_dose_threshold/README.md"],
                       lambda results: section_07_main(results / "runs", "nvfp4")),
     "07_main_fp8": (["experiments/07_dose_threshold/README.md"],

@@ -99,8 +99,8 @@ def _learns(run: dict) -> str:
     return "learns by the rule" if control_learns(run) else "does not learn by the rule"
 
 
-def markdown(runs: list[dict]) -> str:
-    ladder, control = ladder_rows(runs)
+def ladder_table(ladder: dict[str, dict]) -> list[str]:
+    """The seed-0 ladder, one row per rung in mismatch order (also the experiment README's table)."""
     lines = ["| rung | steps | k3 (run median) | tokens re-routed in >= 1 layer (run median) | F(2) (run median) | "
              "grad-norm median / max | training reward, first → last 25 steps | held-out pass@1 (fp32 evaluator), "
              "start → end | collapse step |", "|---|---|---|---|---|---|---|---|---|"]
@@ -111,6 +111,12 @@ def markdown(runs: list[dict]) -> str:
                      f"{fmt(s['grad_norm_median'], '.2f')} / {fmt(s['grad_norm_max'], '.1f')} | "
                      f"{s['reward_first']:.3f} → {s['reward_last']:.3f} | {fmt(s['pass1_start'])} → "
                      f"{fmt(s['pass1_end'])} (step {s['pass1_end_step']}) | {s['collapse_step'] or '—'} |")
+    return lines
+
+
+def markdown(runs: list[dict]) -> str:
+    ladder, control = ladder_rows(runs)
+    lines = ladder_table(ladder)
     controls = [r for r in runs if r["arm"] == "fp32_control"]
     lines += ["", "Control (fp32 rollout), every seed: " + ", ".join(
         f"seed {r['seed']}: pass@1 {fmt(r['pass1_start'])} → {fmt(r['pass1_end'])} at step {r['pass1_end_step']}"

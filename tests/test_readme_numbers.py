@@ -106,3 +106,37 @@ def test_the_headline_names_few_verdicts_and_tallies_many(monkeypatch):
                         "tis helps **not tested** (acts-on floor)")
     assert lines[3] == "- `many` (5 seeds): 10 verdicts: 2 **partly**, 8 **yes**"
     assert lines[4] == "- still running: `running` 3/20"
+
+
+def test_the_front_page_still_fits_once_every_registered_grid_is_complete(monkeypatch):
+    """The headline grows as grids complete: with every registered grid complete and each verdict at its
+    longest wording, the front page must still fit, so that no landing run makes the page fail later."""
+    from moerl.analysis import confirmatory, registration
+
+    registered = registration.load(registration.analysis_path("07_dose_threshold"))
+    comparisons = registered["rules"]["confirmatory_comparisons"]["value"]
+    kinds = ["not tested", "inconclusive", "yes", "no", "partly (2 of 5)"]
+    verdicts = {}
+    for grid, spec in confirmatory.path_grids(registered).items():
+        names = ["regime"] if grid == "confirmatory_control" else [
+            f"{c.removesuffix(' at each rung')} at {rung}" if c.endswith(" at each rung") else c
+            for c in comparisons[grid] for rung in (spec.rungs if c.endswith(" at each rung") else [None])]
+        many = len(names) > numbers.HEADLINE_VERDICTS
+
+        def longest(name: str) -> dict:  # the longest marks the report can give this comparison
+            if re.fullmatch(r"(tis|icepop|mis) helps", name):
+                return {"floor_ungated": "inconclusive"}
+            if re.search(r"like_control|collapse", name):
+                return {"ungated": "inconclusive"}
+            return {}
+
+        verdicts[grid] = {name: {"verdict": kinds[i % len(kinds)] if many else "inconclusive",
+                                 "gain": {"n": len(spec.seeds)}, **longest(name)} for i, name in enumerate(names)}
+    progress = {g: {"finished": 1, "planned": 1, "complete": True} for g in verdicts}
+    monkeypatch.setattr(numbers, "_confirmatory", lambda runs_root: {"result": {"verdicts": verdicts,
+                                                                                "progress": progress}})
+    text = (REPO / "README.md").read_text()
+    begin, end = numbers.markers("07_headline")
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    projected = text[:start] + "\n" + numbers.section_07_headline(Path("unused")) + "\n" + text[stop:]
+    assert len(projected.encode()) <= numbers.FRONT_PAGE_LIMIT, len(projected.encode())

@@ -60,7 +60,11 @@ def read_run(run: Path) -> dict | None:
     trainer, rollout = cfg["trainer"], cfg["rollout"]
     if rollout.get("decode") != ANALYSIS["rollout_path"]["value"]:
         return None
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        return None  # a run still writing its last line
     train = [r for r in rows if "reward/mean" in r]
     if len(train) != trainer["steps"]:
         return None  # still running

@@ -27,7 +27,8 @@ from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO
                                  control_learns, dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
                                  mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
                                  run_summary, threshold, threshold_shift)
-from moerl.analysis.registered_figures import confirmatory_figure, drift_figure, mechanism_figure  # noqa: E402
+from moerl.analysis.registered_figures import (confirmatory_figure, drift_figure, mechanism_figure,  # noqa: E402
+                                               rolling_median)
 from moerl.analysis.registration import Registration, analysis_path  # noqa: E402
 from moerl.analysis.plots import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
@@ -705,7 +706,7 @@ def dynamics_figure(runs: list[dict], path: Path) -> Path | None:
     for rung, colour in zip(rungs, colours):
         rows = [r for r in read_metrics(Path(ladder[rung]["run_dir"]) / "metrics.jsonl") if "mismatch/k3" in r]
         k3 = np.array([r["mismatch/k3"] for r in rows])
-        smooth = [np.median(k3[max(0, i - 24): i + 1]) for i in range(len(k3))]
+        smooth = rolling_median(k3, 25)
         ax.semilogy([r["step"] for r in rows], smooth, color=colour, label=rung)
         if ladder[rung]["collapse_step"] is not None:
             ax.axvline(ladder[rung]["collapse_step"], color=colour, ls=":", lw=1)

@@ -175,11 +175,19 @@ def section_06_gpu(geometry: Path) -> str:
 
 
 # -- experiment 07 ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # several sections read the same runs; cleared at each main()
+def _runs_07(runs_root: Path, grids: str) -> list[dict]:
+    """Experiment 07's runs (moerl.analysis.dose.load_runs), read once per call of main()."""
+    from moerl.analysis.dose import load_runs
+
+    return load_runs(runs_root, grids=grids)
+
+
 def section_07(runs_root: Path) -> str:
-    from moerl.analysis.dose import load_runs, mismatch_order, regime, threshold
+    from moerl.analysis.dose import mismatch_order, regime, threshold
 
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
-    runs = load_runs(runs_root)
+    runs = _runs_07(runs_root, "recorded")
     ladder, control = report.ladder_rows(runs)
     # the ladder itself is the figure above this section (and a table in the experiment's README)
     collapsed = [f"{rung} (step {ladder[rung]['collapse_step']})" for rung in mismatch_order(ladder)
@@ -199,19 +207,15 @@ def section_07(runs_root: Path) -> str:
 
 def section_07_ladder(runs_root: Path) -> str:
     """The seed-0 ladder pilot's table, as the report prints it."""
-    from moerl.analysis.dose import load_runs
-
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
-    return "\n".join(report.ladder_table(report.ladder_rows(load_runs(runs_root))[0]))
+    return "\n".join(report.ladder_table(report.ladder_rows(_runs_07(runs_root, "recorded"))[0]))
 
 
 def section_07_main(runs_root: Path, rung: str) -> str:
     """One rung of the main grid as the report prints it: per arm the paired differences and the verdicts,
     with the regime gate and every post-hoc label."""
-    from moerl.analysis.dose import load_runs
-
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
-    runs = load_runs(runs_root)
+    runs = _runs_07(runs_root, "recorded")
     report.registration(runs)  # the grid's start, which the post-hoc labels are judged against
     g = report.grid(runs).get(rung)
     if g is None:
@@ -223,10 +227,8 @@ def section_07_main(runs_root: Path, rung: str) -> str:
 @functools.lru_cache(maxsize=None)  # two sections read the same runs; cleared at each main()
 def _confirmatory(runs_root: Path) -> dict:
     from moerl.analysis import confirmatory
-    from moerl.analysis.dose import load_runs
-
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
-    every_run = load_runs(runs_root, grids="all")
+    every_run = _runs_07(runs_root, "all")
     return {"report": report, "runs": every_run,
             "result": confirmatory.report(every_run, report.REGISTERED, confirmatory.rules_of(report.REGISTERED))}
 
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(REPO), help="where the READMEs are (default: this repository)")
     args = ap.parse_args(argv)
     _confirmatory.cache_clear()  # results may have changed since a previous call in this process
+    _runs_07.cache_clear()
     wanted = [n for n in args.only.split(",") if n] or list(SECTIONS)
     unknown = [n for n in wanted if n not in SECTIONS]
     if unknown:

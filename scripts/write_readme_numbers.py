@@ -211,13 +211,20 @@ def section_07_ladder(runs_root: Path) -> str:
     return "\n".join(report.ladder_table(report.ladder_rows(_runs_07(runs_root, "recorded"))[0]))
 
 
+@functools.lru_cache(maxsize=None)  # one section per rung reads it; cleared at each main()
+def _main_grid_07(runs_root: Path) -> dict[str, dict]:
+    """Experiment 07's main grid as the report computes it (moerl.analysis.dose), per rung."""
+    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    runs = _runs_07(runs_root, "recorded")
+    report.registration(runs)  # the grid's start, which the post-hoc labels are judged against
+    return report.grid(runs)
+
+
 def section_07_main(runs_root: Path, rung: str) -> str:
     """One rung of the main grid as the report prints it: per arm the paired differences and the verdicts,
     with the regime gate and every post-hoc label."""
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
-    runs = _runs_07(runs_root, "recorded")
-    report.registration(runs)  # the grid's start, which the post-hoc labels are judged against
-    g = report.grid(runs).get(rung)
+    g = _main_grid_07(runs_root).get(rung)
     if g is None:
         return f"Main grid at {rung}: not run yet."
     return "\n".join([f"Baseline seeds {g['baseline_seeds']} ({g['baseline_collapsed']} collapsed), control seeds "
@@ -227,6 +234,7 @@ def section_07_main(runs_root: Path, rung: str) -> str:
 @functools.lru_cache(maxsize=None)  # two sections read the same runs; cleared at each main()
 def _confirmatory(runs_root: Path) -> dict:
     from moerl.analysis import confirmatory
+
     report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
     every_run = _runs_07(runs_root, "all")
     return {"report": report, "runs": every_run,
@@ -321,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _confirmatory.cache_clear()  # results may have changed since a previous call in this process
     _runs_07.cache_clear()
+    _main_grid_07.cache_clear()
     wanted = [n for n in args.only.split(",") if n] or list(SECTIONS)
     unknown = [n for n in wanted if n not in SECTIONS]
     if unknown:

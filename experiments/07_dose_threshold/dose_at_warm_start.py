@@ -27,6 +27,7 @@ from moerl.trainer.warm_start import load_warm_start, warm_start_dir  # noqa: E4
 
 ARM = ROOT / "experiments/07_dose_threshold/arms/baseline.yaml"
 RUNGS = ("bf16", "int8", "fp8", "nvfp4", "int4")
+FOUR_BIT = ("nvfp4", "int4")
 
 
 def table_lines(points: dict[str, dict]) -> list[str]:
@@ -52,7 +53,7 @@ def summary_line(points: dict[str, dict]) -> str:
         cut = sorted(100 * (1 - points[r]["r3/k3"] / points[r]["native/k3"]) for r in rungs if r in points)
         return f"{cut[0]:.0f}–{cut[-1]:.0f} %" if cut else "—"
 
-    four_bit = [r for r in order if "4" in r]
+    four_bit = [r for r in order if r in FOUR_BIT]
     wide = [r for r in order if r not in four_bit]
     return (f"Ordered by k3, the ladder is {' < '.join(order)}: a {max(k3) / min(k3):.0f}× span in k3 and "
             f"{max(share) / min(share):.1f}× in re-routing; the 4-bit formats re-route "
@@ -77,6 +78,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "dose_at_warm_start.json").write_text(json.dumps(points, indent=1) + "\n")
     print("\n".join(table_lines(points)) + "\n\n" + summary_line(points))
+
 
 if __name__ == "__main__":
     main()

@@ -29,8 +29,8 @@ counting collapsed seeds -- collapse against no collapse is a large effect, and 
 "every seed" p = 1/32 under a fair coin:
 - ``<arm> collapses``: yes when every seed collapsed, no when none, otherwise ``partly (k of n)``;
 - ``<arm> prevents collapse``: against the baseline at the same rung, counted on the arm's own seeds
-  (``prevents_collapse_seeds``, first written for the main grid): not tested where the baseline collapsed in no seed, yes when no
-  seed of the arm collapsed, no when as many did, partly when fewer;
+  (``prevents_collapse_seeds``, first written for the main grid): not tested where the baseline collapsed
+  in no seed, yes when no seed of the arm collapsed, no when as many did, partly when fewer;
 - ``like_control_t`` against the confirmatory control and ``helps_t`` between two arms at one rung, as above,
   the latter with its power at the registered smallest effect from the grid's own pooled paired spread.
 Every verdict carries its power beside its interval: a t rule's at an assumed true effect named beside it

@@ -58,9 +58,8 @@ def _gate(v: dict, sep: str = " ") -> str:
 
 
 def _members(every_run: list[dict], grid: str, arm: str, rung: str) -> dict[int, dict]:
-    """The grid's finished runs of ``arm`` at ``rung``, by seed."""
-    return {r["seed"]: r for r in every_run if confirmatory.grid_of(r, REGISTERED) == grid
-            and r["arm"] == arm and r["rung"] == rung and confirmatory.finished(r)}
+    """The grid's finished runs of ``arm`` at ``rung``, by seed (the same runs its verdicts read)."""
+    return confirmatory._by_seed(every_run, grid, arm, rung, REGISTERED)
 
 
 def rolling_median(values: np.ndarray, window: int = ROLLING) -> np.ndarray:

@@ -19,7 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from moerl.analysis.plots import experiment_figures, load_questions, refit_figures, save
+from moerl.analysis.figure_style import save
+from moerl.analysis.plots import experiment_figures, load_questions
+from moerl.analysis.refit_plots import refit_figures
 from moerl.analysis.results import (MissingRunError, load_arm_configs, load_metrics, load_refit, load_summaries,
                            load_token_samples)
 

@@ -30,7 +30,7 @@ from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO
 from moerl.analysis.registered_figures import (confirmatory_figure, drift_figure, mechanism_figure,  # noqa: E402
                                                rolling_median)
 from moerl.analysis.registration import Registration, analysis_path  # noqa: E402
-from moerl.analysis.plots import arm_color, save  # noqa: E402
+from moerl.analysis.figure_style import arm_color, save  # noqa: E402
 from moerl.analysis.results import write_marked_section  # noqa: E402
 from moerl.analysis.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW  # noqa: E402
 from moerl.tracking import read_metrics  # noqa: E402

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from moerl.analysis import plots
+from moerl.analysis import figure_style, plots, refit_plots, sample_plots
 from moerl.analysis.results import MissingRunError, select_arms
 
 
@@ -29,10 +29,10 @@ def _line_colors(fig) -> dict[str, tuple]:
 def test_an_arm_keeps_its_colour_whatever_else_is_drawn():
     one = plots.curves(_frame(["baseline", "r3"]), [("mismatch/k3", "k3")], "a")
     two = plots.curves(_frame(["tis", "r3", "zz_new_arm"]), [("mismatch/k3", "k3")], "b")
-    assert _line_colors(one)["r3"] == _line_colors(two)["r3"] == mcolors.to_rgba(plots.ARM_COLORS["r3"])
+    assert _line_colors(one)["r3"] == _line_colors(two)["r3"] == mcolors.to_rgba(figure_style.ARM_COLORS["r3"])
     # an arm without a fixed colour still gets the same one every time
-    assert plots.arm_color("zz_new_arm") == plots.arm_color("zz_new_arm")
-    assert _line_colors(two)["zz_new_arm"] == mcolors.to_rgba(plots.arm_color("zz_new_arm"))
+    assert figure_style.arm_color("zz_new_arm") == figure_style.arm_color("zz_new_arm")
+    assert _line_colors(two)["zz_new_arm"] == mcolors.to_rgba(figure_style.arm_color("zz_new_arm"))
     # the legend sits outside the axes (a figure legend, not one per panel)
     assert one.legends and not any(ax.get_legend() for ax in one.axes)
 
@@ -66,15 +66,15 @@ def test_k3_ratio_to_baseline_is_paired_by_seed():
 
 
 def test_correction_marks_follow_each_arms_config():
-    assert plots.correction_marks({"variant": "tis", "tis_cap": 3.0})[0][:3] == ("cap", 3.0, None)
-    assert plots.correction_marks({"variant": "icepop", "icepop_alpha": 0.5, "icepop_beta": 5.0})[0][:3] == \
+    assert sample_plots.correction_marks({"variant": "tis", "tis_cap": 3.0})[0][:3] == ("cap", 3.0, None)
+    assert sample_plots.correction_marks({"variant": "icepop", "icepop_alpha": 0.5, "icepop_beta": 5.0})[0][:3] == \
         ("band", 0.5, 5.0)
-    kind, lo, hi, label = plots.correction_marks({"variant": "mis", "mis_lower": 0.97, "mis_upper": 1.03,
+    kind, lo, hi, label = sample_plots.correction_marks({"variant": "mis", "mis_lower": 0.97, "mis_upper": 1.03,
                                                    "is_level": "geometric"})[0]
     assert (kind, lo, hi) == ("band", 0.97, 1.03) and "geometric" in label
-    assert plots.correction_marks({"variant": "ppo_clip"}) == [] and plots.correction_marks(None) == []
+    assert sample_plots.correction_marks({"variant": "ppo_clip"}) == [] and sample_plots.correction_marks(None) == []
     samples = pd.DataFrame({"arm": ["tis"] * 50 + ["baseline"] * 50, "raw_ratio": np.linspace(0.5, 2.5, 100)})
-    fig = plots.ratio_histograms(samples, losses={"tis": {"variant": "tis", "tis_cap": 2.0}})
+    fig = sample_plots.ratio_histograms(samples, losses={"tis": {"variant": "tis", "tis_cap": 2.0}})
     tis_ax = next(ax for ax in fig.axes if ax.get_title().startswith("tis"))
     assert any(list(line.get_xdata()) == [2.0, 2.0] for line in tis_ax.get_lines())
 
@@ -94,7 +94,7 @@ def test_reward_panel_marks_each_collapse_step():
     fig = plots.curves(df, [("reward/mean", "reward")], "t", smooth=1)
     marks = [line for line in fig.axes[0].get_lines() if line.get_label() == "collapse step"]
     assert len(marks) == 1 and marks[0].get_xdata()[0] == 40  # the 20-step mean reaches half the peak ~10 steps after the drop
-    assert mcolors.to_rgba(marks[0].get_color()) == mcolors.to_rgba(plots.arm_color("baseline"))
+    assert mcolors.to_rgba(marks[0].get_color()) == mcolors.to_rgba(figure_style.arm_color("baseline"))
 
 
 def test_tau_curve_and_its_question_kind(tmp_path):
@@ -151,29 +151,29 @@ def test_zeros_stay_on_a_log_panel_and_an_outlier_arm_does_not_set_the_scale():
     df["mismatch/extreme_frac"] = np.where(df["step"] % 2, 0.0, 1e-3)
     fig = plots.curves(df, [("mismatch/extreme_frac", "x")], "t", log_keys=("mismatch/extreme_frac",))
     assert fig.axes[0].get_yscale() == "symlog" and fig.axes[0].get_ylim()[0] == 0
-    assert plots._outliers({"a": 1.0, "b": 1.2, "bug": 900.0}) == {"bug"}
-    assert plots._outliers({"a": 1.0, "b": 1.2, "c": 2.0}) == set()
+    assert figure_style.outlier_keys({"a": 1.0, "b": 1.2, "bug": 900.0}) == {"bug"}
+    assert figure_style.outlier_keys({"a": 1.0, "b": 1.2, "c": 2.0}) == set()
 
 
 def test_a_run_with_overrides_takes_its_base_arms_colour_and_its_rung_a_line_style():
     fp8, nvfp4 = "geo_mis_0p1pct+rollout.dtype=fp8", "geo_mis_0p1pct+rollout.dtype=nvfp4"
-    assert plots.base_arm(fp8) == "geo_mis_0p1pct" and plots.run_variant(fp8) == "rollout.dtype=fp8"
-    assert plots.arm_color(fp8) == plots.arm_color(nvfp4) == plots.ARM_COLORS["geo_mis_0p1pct"]
-    assert plots.arm_color("r3_tis+rollout.dtype=fp8") == plots.ARM_COLORS["r3_tis"] != plots.ARM_COLORS["r3"]
-    assert plots.arm_color("fp32_control") == plots.arm_color("fp32_rollout")
-    assert plots.arm_color("tis_cap3") == plots.ARM_COLORS["tis"]  # a name extending a known arm keeps its hue
+    assert figure_style.base_arm(fp8) == "geo_mis_0p1pct" and figure_style.run_variant(fp8) == "rollout.dtype=fp8"
+    assert figure_style.arm_color(fp8) == figure_style.arm_color(nvfp4) == figure_style.ARM_COLORS["geo_mis_0p1pct"]
+    assert figure_style.arm_color("r3_tis+rollout.dtype=fp8") == figure_style.ARM_COLORS["r3_tis"] != figure_style.ARM_COLORS["r3"]
+    assert figure_style.arm_color("fp32_control") == figure_style.arm_color("fp32_rollout")
+    assert figure_style.arm_color("tis_cap3") == figure_style.ARM_COLORS["tis"]  # a name extending a known arm keeps its hue
     # the MIS arms, named for their estimator and band, keep the hue their former name had
-    assert {plots.arm_color(a) for a in ("geo_mis_3pct", "seq_mis", "geo_mis_0p1pct", "mis")} == {plots.arm_color("mis")}
+    assert {figure_style.arm_color(a) for a in ("geo_mis_3pct", "seq_mis", "geo_mis_0p1pct", "mis")} == {figure_style.arm_color("mis")}
     # the rung is told apart by line style and marker, the same rung alike in every arm
-    assert plots.arm_style(fp8)["ls"] != plots.arm_style(nvfp4)["ls"]
-    assert plots.arm_style(fp8)["marker"] != plots.arm_style(nvfp4)["marker"]
-    assert plots.arm_style("baseline+rollout.dtype=fp8")["ls"] == plots.arm_style(fp8)["ls"]
-    assert plots.arm_style("geo_mis_0p1pct")["ls"] == "-"
-    assert plots.arm_style("geo_mis_0p1pct+rollout.dtype-fp8") == plots.arm_style(fp8)  # the newer spelling of the name
+    assert figure_style.arm_style(fp8)["ls"] != figure_style.arm_style(nvfp4)["ls"]
+    assert figure_style.arm_style(fp8)["marker"] != figure_style.arm_style(nvfp4)["marker"]
+    assert figure_style.arm_style("baseline+rollout.dtype=fp8")["ls"] == figure_style.arm_style(fp8)["ls"]
+    assert figure_style.arm_style("geo_mis_0p1pct")["ls"] == "-"
+    assert figure_style.arm_style("geo_mis_0p1pct+rollout.dtype-fp8") == figure_style.arm_style(fp8)  # the newer spelling of the name
     fig = plots.curves(_frame([fp8, nvfp4, "baseline"]), [("mismatch/k3", "k3")], "t")
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert mcolors.to_rgba(lines[fp8].get_color()) == mcolors.to_rgba(lines[nvfp4].get_color()) \
-        == mcolors.to_rgba(plots.ARM_COLORS["geo_mis_0p1pct"])
+        == mcolors.to_rgba(figure_style.ARM_COLORS["geo_mis_0p1pct"])
     assert lines[fp8].get_linestyle() != lines[nvfp4].get_linestyle()
 
 
@@ -184,7 +184,7 @@ def test_histogram_axis_holds_every_cap_and_band_and_a_sequence_ratio_gets_its_o
                             "seed": 0, "step": 1, "sample": np.r_[np.arange(2000), np.arange(2000)]})
     losses = {"icepop": {"variant": "icepop", "icepop_alpha": 0.5, "icepop_beta": 5.0},
               "mis": {"variant": "mis", "mis_lower": 0.97, "mis_upper": 1.03, "is_level": "geometric"}}
-    fig = plots.ratio_histograms(samples, losses=losses)
+    fig = sample_plots.ratio_histograms(samples, losses=losses)
     icepop = next(ax for ax in fig.axes if ax.get_title().startswith("icepop"))
     mis = next(ax for ax in fig.axes if ax.get_title().startswith("mis"))
     lo, hi = icepop.get_xlim()
@@ -200,7 +200,7 @@ def test_spread_figure_names_an_arm_at_the_floor_instead_of_stretching_the_axis(
         for step in (10, 20, 30, 40, 50, 60):
             d = rng.normal(0, scale * (1 + step / 60), 500)
             rows.append(pd.DataFrame({"arm": arm, "step": step, "token_ratio": np.exp(d)}))
-    fig = plots.spread_over_training(pd.concat(rows), "token_ratio", arms=["fp32_rollout", "baseline", "r3"])
+    fig = sample_plots.spread_over_training(pd.concat(rows), "token_ratio", arms=["fp32_rollout", "baseline", "r3"])
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["baseline", "r3"]
     assert ax.get_xlim()[0] > 1e-3 and "fp32_rollout" in fig.texts[-1].get_text()
@@ -227,9 +227,9 @@ def test_refit_figures_ask_one_question_each():
                           "adapter": {"seconds_median": 0.002, "bytes": 4e5}, "merged": {"seconds_median": 0.017, "bytes": 3.6e6}}],
              "drift": {"adapter": [0.0017, 0.0018], "merged": [0.0024, 0.011]},
              "analytic": {"Kimi-K2 (1T)": {"full_bf16_bytes": 2e12, "r32_shared_bytes": 4e8}}}
-    figs = plots.refit_figures(bench)
+    figs = refit_plots.refit_figures(bench)
     assert set(figs) == {"cost", "drift", "at_scale"}
     assert all("?" in (f._suptitle.get_text() if f._suptitle else f.axes[0].get_title()) for f in figs.values())
     legend = [t.get_text() for t in figs["drift"].axes[0].get_legend().get_texts()]
     assert any(t.startswith("adapter-only") for t in legend) and any(t.startswith("merged") for t in legend)
-    assert plots.refit_figures({"presets": bench["presets"]}).keys() == {"cost"}
+    assert refit_plots.refit_figures({"presets": bench["presets"]}).keys() == {"cost"}

@@ -5,69 +5,27 @@ metrics it draws live in ``experiments/<name>/figures.yaml`` (see :func:`load_qu
 keeps one colour in every figure (:func:`arm_color`; a run ``<arm>+<overrides>`` takes its arm's
 colour and shows its rung or variant by line style and marker, :func:`arm_style`), and legends sit
 outside the axes. Seeds are drawn as a band (min-max) around the mean over seeds.
+
+This module draws metrics over training and the per-experiment summary; figures of per-token samples
+live in :mod:`moerl.analysis.sample_plots`, of routing per layer in :mod:`moerl.analysis.routing_plots`,
+of the refit benchmark in :mod:`moerl.analysis.refit_plots`, and the styling they share in
+:mod:`moerl.analysis.figure_style`.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 import matplotlib.ticker
+import numpy as np
+import pandas as pd
 import yaml
 
-# Scripts draw off-screen; a notebook kernel keeps its inline backend so figures show in cells.
-if "ipykernel" not in sys.modules and "MPLBACKEND" not in os.environ:
-    matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+from moerl.analysis.figure_style import add_caption, arm_color, arm_style, plt, save
+from moerl.analysis.routing_plots import routing_by_layer
+from moerl.analysis.sample_plots import logprob_scatter, mis_caption, ratio_histograms, spread_over_training
 
 REPO = Path(__file__).resolve().parents[3]
-
-# One colour per arm, the same in every figure of every experiment. Related arms share a hue
-# family (replay: blues, corrections: greens/olive, DeepSeek-V3 preset: reds, LoRA/refit: purples).
-# The colour belongs to the base arm: a run named ``<arm>+<overrides>`` (a rung of a dose ladder,
-# a setting swept) takes its arm's colour and tells its variant by line style and marker
-# (:func:`arm_style`).
-ARM_COLORS = {
-    "fp32_rollout": "#000000",
-    "fp32_control": "#000000",  # experiment 07's name for the fp32 rollout (no mismatch)
-    "baseline": "#7f7f7f",
-    "r2": "#9ecae1",
-    "r3": "#1f77b4",
-    "r3_tis": "#17becf",
-    "tis": "#2ca02c",
-    "mis": "#98df8a",  # the former name of the three MIS arms below
-    "geo_mis_3pct": "#98df8a",  # 00: geometric MIS, band [0.97, 1.03]
-    "seq_mis": "#98df8a",  # 05: sequence-level MIS (verl's Seq-MIS), band [0.5, 2]
-    "geo_mis_0p1pct": "#98df8a",  # 07: geometric MIS, band [0.999, 1.001]
-    "icepop": "#bcbd22",
-    "gspo": "#8c564b",
-    "ppo_tight_clip": "#c49c94",
-    "baseline_fp8": "#393b79",
-    "deepseek_fp32_rollout": "#7b4173",
-    "deepseek_baseline": "#ff9896",
-    "deepseek_r3": "#d62728",
-    "deepseek_r3_position_bug": "#ff7f0e",
-    "lora_shared": "#9467bd",
-    "lora_shared_outer": "#c5b0d5",
-    "refit_merged": "#e377c2",
-    # 07: the trainer's own weights fake-quantised to INT4 (golds)
-    "qat_int4": "#8c6d31",
-    "qat_int4_r3": "#bd9e39",
-    "qat_int4_tis": "#e7ba52",
-}
-_FALLBACK = plt.cm.tab20.colors
-
-# Rollout precisions in the order of the mismatch they cause (experiment 07's ladder): a run's
-# ``rollout.dtype`` override takes the line style and marker of its place here, in every figure.
-PRECISIONS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "int4")
-VARIANT_LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)))
-VARIANT_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 # Axis labels and scales of the metrics a figure may draw.
 METRIC_LABELS = {
@@ -95,54 +53,6 @@ METRIC_LABELS = {
 }
 LOG_METRICS = {"mismatch/k3", "mismatch/k3_max", "mismatch/dp_max", "mismatch/extreme_frac", "grad_norm",
                "refit/seconds"}
-
-
-def base_arm(run: str) -> str:
-    """The arm a run name belongs to: the name before its first ``+`` (``tis+rollout.dtype=fp8`` ->
-    ``tis``). A name that only extends a known arm (``tis_cap3``) belongs to that arm."""
-    arm = run.split("+", 1)[0]
-    if arm in ARM_COLORS:
-        return arm
-    stems = [a for a in ARM_COLORS if arm.startswith(a + "_")]
-    return max(stems, key=len) if stems else arm
-
-
-def run_variant(run: str) -> str:
-    """What a run name adds to its arm: its overrides as ``key=value,...`` ('' for a plain arm),
-    whichever spelling the run directory has (``tis+rollout.dtype-fp8`` or ``tis+rollout.dtype=fp8``)."""
-    from moerl.config import legacy_run_label
-
-    return legacy_run_label(run).partition("+")[2]
-
-
-def arm_color(arm: str):
-    """The colour of a run's base arm (:func:`base_arm`), the same in every figure; an arm not in
-    ARM_COLORS gets a colour derived from its name, so it is also the same everywhere."""
-    arm = base_arm(arm)
-    if arm in ARM_COLORS:
-        return ARM_COLORS[arm]
-    digest = int(hashlib.sha1(arm.encode()).hexdigest(), 16)
-    return _FALLBACK[digest % len(_FALLBACK)]
-
-
-def _variant_index(variant: str) -> int:
-    """0 for no variant; a rollout precision by its place in PRECISIONS; any other variant by a hash
-    of its text (stable across figures)."""
-    if not variant:
-        return 0
-    settings = dict(part.split("=", 1) for part in variant.split(",") if "=" in part)
-    dtype = settings.get("rollout.dtype")
-    if dtype in PRECISIONS:
-        return PRECISIONS.index(dtype)
-    return 1 + int(hashlib.sha1(variant.encode()).hexdigest(), 16) % (len(VARIANT_LINESTYLES) - 1)
-
-
-def arm_style(run: str) -> dict:
-    """Matplotlib style of a run name: its base arm's colour, its variant's line style and marker
-    (the plain arm: solid, circles)."""
-    i = _variant_index(run_variant(run))
-    return {"color": arm_color(run), "ls": VARIANT_LINESTYLES[i], "marker": VARIANT_MARKERS[i]}
-
 
 @dataclass
 class Question:
@@ -216,16 +126,6 @@ def _legend_outside(fig: plt.Figure, axes, arms: list[str] | None = None) -> Non
     if labels:
         fig.legend([handles[lab] for lab in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
                    fontsize=8, frameon=False)
-
-
-def add_caption(fig: plt.Figure, text: str, width: int = 0) -> None:
-    """``text`` under the figure, wrapped to its width (saved with bbox_inches='tight')."""
-    if not text:
-        return
-
-    width = width or max(int(fig.get_figwidth() * 15), 110)  # the legend beside the axes widens the saved figure
-    fig.text(0.01, 0.0, textwrap.fill(text, width), ha="left", va="top", fontsize=8, style="italic",
-             transform=fig.transFigure)
 
 
 def _log_or_symlog(ax, values: np.ndarray) -> None:
@@ -565,397 +465,6 @@ def question_figure(df: pd.DataFrame, question: Question, smooth: int = 5,
     return fig
 
 
-def _outliers(values: dict[str, float], factor: float = 5.0) -> set[str]:
-    """Keys whose value exceeds ``factor`` times the median of the others: an arm (a broken replay)
-    that would set a shared axis and flatten every other arm."""
-    out = set()
-    for k, v in values.items():
-        others = [x for kk, x in values.items() if kk != k and np.isfinite(x)]
-        if others and np.isfinite(v) and v > factor * max(np.median(others), 1e-12):
-            out.add(k)
-    return out
-
-
-def routing_by_layer(df: pd.DataFrame, title: str, arms: list[str] | None = None,
-                     presets: dict[str, str] | None = None, others: list[str] | None = None) -> plt.Figure:
-    """Share of tokens whose trainer-native top-k differs from the rollout's, per MoE layer and arm.
-    The x axis is the global layer number for every preset (a DeepSeek-V3-style model's first
-    layers are dense and have no router, so its bars start later). One panel per preset
-    (``presets``: arm -> preset); an arm far above the rest of its panel is drawn clipped, its
-    values written on its bars. ``others``: arms drawn not as bars but as one grey band per panel,
-    the min-max over them at each layer (arms that route alike, drawn without a bar each)."""
-    cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
-                  key=lambda c: int(c.rsplit("layer", 1)[1]))
-    arms = [a for a in (arms or sorted(df["arm"].unique())) if a in set(df["arm"])]
-    groups: dict[str, list[str]] = {}
-    for arm in arms:
-        groups.setdefault((presets or {}).get(arm, ""), []).append(arm)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.8 * len(groups) + 0.6, 4.0), squeeze=False)
-    for ax, (preset, members) in zip(axes[0], groups.items()):
-        shown = df[df["arm"].isin(members)]
-        layers = [c for c in cols if shown[c].notna().any()]
-        numbers = [int(c.rsplit("layer", 1)[1]) for c in layers]
-        vals = {arm: np.array([1 - shown.loc[shown["arm"] == arm, c].mean() for c in layers]) for arm in members}
-        peaks = {arm: float(np.nanmax(v)) if np.isfinite(v).any() else np.nan for arm, v in vals.items()}
-        clipped = _outliers(peaks)
-        top = max([p for a, p in peaks.items() if a not in clipped and np.isfinite(p)] or [1.0]) * 1.3
-        width = 0.8 / max(len(members), 1)
-        rest = [a for a in (others or []) if (presets or {}).get(a, "") == preset and a in set(df["arm"])]
-        dis_rest = {a: np.array([1 - df.loc[df["arm"] == a, c].mean() for c in layers]) for a in rest}
-        aligned = sorted(a for a, v in dis_rest.items() if not np.nanmax(v, initial=0) > 0)  # fp32: none differ
-        banded = sorted(a for a in dis_rest if a not in aligned)
-        if banded:
-            table = np.array([dis_rest[a] for a in banded])
-            lo, hi = np.nanmin(table, axis=0), np.nanmax(table, axis=0)
-            ax.bar(numbers, np.minimum(hi, top) - np.minimum(lo, top), 0.9, bottom=np.minimum(lo, top),
-                   color="0.8", alpha=0.6, zorder=0,
-                   label=textwrap.fill(f"grey: min-max of {', '.join(banded)}", 60))
-        if aligned:
-            ax.plot([], [], ls="none", label=textwrap.fill(f"{', '.join(aligned)}: 0 in every layer", 60))
-        for i, arm in enumerate(members):
-            x = np.array(numbers) + (i - (len(members) - 1) / 2) * width
-            v = vals[arm]
-            ax.bar(x, np.minimum(v, top), width, color=arm_color(arm), hatch="//" if arm in clipped else None,
-                   label=arm + (" (clipped, values on bars)" if arm in clipped else ""))
-            if arm in clipped:
-                for xi, vi in zip(x, v):
-                    if np.isfinite(vi):
-                        ax.text(xi, top * 0.5, f"{vi:.2f}", rotation=90, ha="center", va="center", fontsize=7,
-                                bbox=dict(facecolor="white", edgecolor="none", pad=0.5))
-        ax.set_ylim(0, top)
-        ax.set_xticks(numbers, [str(n) for n in numbers], fontsize=8)
-        ax.set_xlabel("global layer number (layers without a router not shown)", fontsize=8)
-        ax.set_title(f"{preset} preset" if preset else title, fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if rest else 2, frameon=False)
-    axes[0][0].set_ylabel("tokens whose native top-k\ndiffers from the rollout's", fontsize=8)
-    if len(groups) > 1 or next(iter(groups)):
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-def _arm_grid(arms: list[str], width: float = 2.6, height: float = 2.5, ncols: int = 4):
-    n = max(len(arms), 1)
-    ncols = min(ncols, n)
-    nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
-def correction_marks(loss: dict | None) -> list[tuple[str, float, float | None, str]]:
-    """What the arm's loss does to the importance weight rho = pi_old/pi_rollout, as (kind, lo, hi,
-    label) marks for a histogram: a TIS cap line, or the MIS / IcePop keep band."""
-    if not loss:
-        return []
-    variant = loss.get("variant")
-    if variant == "tis":
-        return [("cap", loss.get("tis_cap", 2.0), None, f"TIS cap {loss.get('tis_cap', 2.0):g}")]
-    if variant == "icepop":
-        return [("band", loss.get("icepop_alpha", 0.5), loss.get("icepop_beta", 5.0),
-                 f"IcePop keeps [{loss.get('icepop_alpha', 0.5):g}, {loss.get('icepop_beta', 5.0):g}]")]
-    if variant == "mis":
-        level = loss.get("is_level", "token")
-        return [("band", loss.get("mis_lower", 0.5), loss.get("mis_upper", 2.0),
-                 f"MIS keeps [{loss.get('mis_lower', 0.5):g}, {loss.get('mis_upper', 2.0):g}]"
-                 + ("" if level == "token" else f" ({level} ratio)"))]
-    return []
-
-
-LEVEL_TEXT = {"sequence": "sequence ratio: product of its token ratios",
-              "geometric": "sequence ratio: geometric mean of its token ratios"}
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    """Tick values for a log axis from ``lo`` to ``hi`` that do not collide: decades over a wide
-    range, 1-2-5 steps (or finer) over a narrow one."""
-    decades = np.log10(hi / lo)
-    if decades > 2.5:
-        cands = [10.0 ** k for k in range(-8, 9)]
-    elif decades > 0.6:
-        cands = [m * 10.0 ** k for k in range(-8, 9) for m in (1, 2, 5)]
-    else:  # round steps (0.05, 0.1, 0.2, ...) that give 3 to 6 ticks
-        step = next((m * 10.0 ** k for k in range(-4, 3) for m in (1, 2, 5) if (hi - lo) / (m * 10.0 ** k) <= 6),
-                    hi - lo)
-        cands = [round(t, 6) for t in np.arange(np.ceil(lo / step) * step, hi, step)]
-    ticks = [t for t in cands if lo <= t <= hi]
-    return ticks or [lo, hi]
-
-
-def ratio_histograms(samples: pd.DataFrame, key: str = "raw_ratio", title: str = "",
-                     arms: list[str] | None = None, losses: dict[str, dict] | None = None,
-                     caption: str = "") -> plt.Figure:
-    """Per arm, the distribution of a per-token weight from samples/*.npz (all steps and seeds),
-    on a log-x axis: 1 is no mismatch. ``losses`` (arm -> loss config) adds what each correction
-    acts on: the TIS cap, the MIS / IcePop keep band (shaded). An arm whose loss works on a
-    sequence-level ratio (MIS) is histogrammed per sequence on its own x range, and its axis says
-    so. The x range covers the data's 0.01-99.99 % quantiles and every cap or band edge (so none is
-    off the plot); the rare values beyond it are counted in the bins at its edges and in the panel
-    title. Panels of a row share their y scale."""
-    from moerl.analysis.results import is_level
-
-    arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
-    n = max(len(arms), 1)
-    ncols = min(4, n)
-    nrows = -(-n // ncols)
-    fig, grid = plt.subplots(nrows, ncols, figsize=(2.8 * ncols, 2.7 * nrows), squeeze=False, sharey="row")
-    for ax in grid.flat[n:]:
-        ax.set_visible(False)
-    axes = list(grid.flat[:n])
-    per_arm = {}
-    for arm in arms:
-        sub = samples[samples["arm"] == arm]
-        level = is_level((losses or {}).get(arm))
-        if level != "token" and "sample" in sub:
-            sub = sub.drop_duplicates(["seed", "step", "sample"])  # one value per sequence
-        x = sub[key].to_numpy(dtype=float)
-        per_arm[arm] = (x[np.isfinite(x) & (x > 0)], level)
-    def x_range(arms_here: list[str]) -> tuple[float, float]:
-        vals = np.concatenate([per_arm[a][0] for a in arms_here] or [np.array([])])
-        lo, hi = np.quantile(vals, [1e-4, 1 - 1e-4]) if vals.size else (0.9, 1.1)
-        edges = [e for a in arms_here for _, e1, e2, _ in correction_marks((losses or {}).get(a))
-                 for e in (e1, e2) if e is not None]
-        lo, hi = min([lo, 1.0, *edges]), max([hi, 1.0, *edges])
-        pad = (hi / lo) ** 0.06
-        return lo / pad, hi * pad
-
-    token_arms = [a for a in arms if per_arm[a][1] == "token"]
-    shared = x_range(token_arms) if token_arms else None
-    for ax, arm in zip(axes, arms):
-        x, level = per_arm[arm]
-        lo, hi = shared if level == "token" else x_range([arm])
-        bins = np.geomspace(lo, hi, 60)
-        ticks = _log_ticks(lo, hi)
-        beyond = int(((x < lo) | (x > hi)).sum())
-        ax.hist(np.clip(x, bins[0], bins[-1] * (1 - 1e-12)), bins=bins, color=arm_color(arm), alpha=0.85)
-        ax.axvline(1.0, color="k", lw=0.8, ls="--")
-        for kind, a, b, label in correction_marks((losses or {}).get(arm)):
-            if kind == "cap":
-                ax.axvline(a, color="C3", lw=1.2, label=label)
-            else:
-                ax.axvspan(a, b, color="C2", alpha=0.12, label=label)
-                for edge in (a, b):
-                    ax.axvline(edge, color="C2", lw=1.0)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, loc="upper left", frameon=False)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.tick_params(axis="y", labelsize=7)
-        q = np.quantile(x, [0.01, 0.99]) if x.size else (np.nan, np.nan)
-        unit = "tokens" if level == "token" else "sequences"
-        ax.set_title(f"{arm}\np1={q[0]:.3g}  p99={q[1]:.3g}  n={x.size} {unit}"
-                     + (f"\n{beyond} beyond the axis, in its edge bins" if beyond else ""), fontsize=8)
-        ax.set_xlabel(LEVEL_TEXT.get(level, f"per-token {key}"), fontsize=7 if level != "token" else 8)
-    for row in grid:
-        row[0].set_ylabel("count (log)", fontsize=8)
-        row[0].set_ylim(bottom=0.7)
-    fig.suptitle(title or f"per-token {key} (all sampled steps and seeds)", fontsize=10)
-    fig.tight_layout()
-    add_caption(fig, caption)
-    return fig
-
-
-def sample_quantiles(samples: pd.DataFrame, key: str = "raw_ratio",
-                     qs: tuple[float, ...] = (0.01, 0.5, 0.99)) -> pd.DataFrame:
-    """Quantiles of a per-token quantity per (arm, step), pooled over seeds: a tidy frame with
-    columns arm, step, and one column per quantile (q0.01, ...)."""
-    grouped = samples.groupby(["arm", "step"])[key]
-    out = pd.concat({f"q{q:g}": grouped.quantile(q) for q in qs}, axis=1).reset_index()
-    out["tokens"] = grouped.size().to_numpy()
-    return out
-
-
-def spread_over_training(samples: pd.DataFrame, key: str = "raw_ratio", qs: tuple[float, float] = (0.01, 0.99),
-                         title: str = "", arms: list[str] | None = None) -> plt.Figure:
-    """Does the spread of a per-token quantity change over training? Per arm (one row each), the
-    spread ln(p99 / p1) of ``key`` at each sampled step (seeds pooled; small dots), and its median
-    over the first and the last third of the sampled steps (open and filled marker, joined), the
-    late / early ratio written at the right. The median of a ratio is 1 for every arm and is not
-    drawn; on a log axis an arm with no mismatch (fp32) stays on the plot, decades to the left."""
-    arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
-    table = sample_quantiles(samples[samples["arm"].isin(arms)], key, qs)
-    lo_col, hi_col = f"q{qs[0]:g}", f"q{qs[1]:g}"
-    table["spread"] = np.log(table[hi_col] / table[lo_col])
-    # An arm with (almost) no mismatch (fp32 rollout) would stretch the axis by decades: named below instead.
-    typical = table.groupby("arm")["spread"].median()
-    floor_arms = [a for a in arms if typical.get(a, 0) < 1e-3 * float(typical.median())]
-    arms = [a for a in arms if a not in floor_arms]
-    y = np.arange(len(arms))[::-1]
-    fig, ax = plt.subplots(figsize=(7.4, 0.38 * len(arms) + 1.6))
-    positive = table.loc[table["spread"] > 0, "spread"]
-    floor = float(positive.min()) if len(positive) else 1e-6
-    right = []
-    for yy, arm in zip(y, arms):
-        sub = table[table["arm"] == arm].sort_values("step")
-        spread = sub["spread"].to_numpy(dtype=float)
-        third = max(1, len(spread) // 3)
-        early, late = float(np.median(spread[:third])), float(np.median(spread[-third:]))
-        color = arm_color(arm)
-        ax.scatter(np.maximum(spread, floor), np.full(len(spread), yy), s=7, color=color, alpha=0.35, lw=0)
-        if early > 0 and late > 0:
-            ax.plot([early, late], [yy, yy], color=color, lw=1.5)
-            ax.plot([early], [yy], "o", mfc="white", mec=color, ms=7, mew=1.5)
-            ax.plot([late], [yy], "o", color=color, ms=7)
-            right.append((yy, f"×{late / early:.2g}"))
-        else:
-            right.append((yy, "no spread"))
-    ax.set_xscale("log")
-    ax.set_yticks(y, arms, fontsize=9)
-    ax.set_ylim(-0.7, len(arms) - 0.3)
-    for yy, text in right:
-        ax.text(1.01, yy, text, transform=ax.get_yaxis_transform(), va="center", fontsize=8)
-    ax.set_xlabel(f"spread of {key}: ln(p{qs[1] * 100:g} / p{qs[0] * 100:g}) per sampled step (log axis)", fontsize=9)
-    ax.grid(alpha=0.3, axis="x")
-    from matplotlib.lines import Line2D
-
-    ax.legend(handles=[Line2D([], [], marker="o", ls="none", mfc="white", mec="k", label="first third of training"),
-                       Line2D([], [], marker="o", ls="none", color="k", label="last third"),
-                       Line2D([], [], marker="o", ls="none", color="k", alpha=0.35, ms=3, label="each sampled step")],
-              fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
-    fig.suptitle(title or f"Does the spread of {key} change over training?", fontsize=10)
-    fig.tight_layout()
-    floor = "; ".join(f"{a} (spread ~{typical[a]:.1g}, numerical floor)" for a in floor_arms)
-    add_caption(fig, "Right: the spread's median over the last third of the sampled steps divided by that over the "
-                "first third. Quantiles are of all sampled tokens of the arm at that step, seeds pooled."
-                + (f" Not drawn: {floor}." if floor else ""))
-    return fig
-
-
-def logprob_scatter(samples: pd.DataFrame, title: str = "", max_points: int = 4000, seed: int = 0,
-                    arms: list[str] | None = None) -> plt.Figure:
-    """Per arm, the per-token log-ratio log pi_old - log pi_rollout against the rollout logprob of
-    the same sampled token: where (at which token probabilities) the mismatch sits; red points were
-    truncated (TIS) or masked (IcePop/MIS). The y scale is shared so arms compare directly, except
-    for an arm whose spread is over 10x the others' (a broken replay): it gets its own, and says so."""
-    arms = [a for a in (arms or sorted(samples["arm"].unique())) if a in set(samples["arm"])]
-    fig, axes = _arm_grid(arms, width=2.6, height=2.5)
-    delta_all = (samples["trainer_logp"] - samples["rollout_logp"]).abs()
-    spans = {arm: float(np.nanquantile(delta_all[samples["arm"] == arm], 0.9995)) for arm in arms}
-    own = _outliers(spans, factor=10.0)
-    span = max([v for a, v in spans.items() if a not in own] or [1e-6]) or 1e-6
-    for ax, arm in zip(axes, arms):
-        sub = samples[samples["arm"] == arm]
-        if len(sub) > max_points:
-            sub = sub.sample(max_points, random_state=seed)
-        delta = sub["trainer_logp"] - sub["rollout_logp"]
-        flagged = sub["truncated"].astype(bool) | sub["masked"].astype(bool)
-        ax.scatter(sub.loc[~flagged, "rollout_logp"], delta[~flagged], s=3, alpha=0.4, color=arm_color(arm))
-        if flagged.any():
-            ax.scatter(sub.loc[flagged, "rollout_logp"], delta[flagged], s=5, color="C3", label="truncated/masked")
-            ax.legend(fontsize=6, loc="lower left", frameon=False)
-        ax.axhline(0.0, color="k", lw=0.8, ls="--")
-        limit = (spans[arm] or 1e-6) if arm in own else span
-        ax.set_ylim(-1.1 * limit, 1.1 * limit)
-        ax.set_title(arm + ("\n(own y scale: spread > 10× the others')" if arm in own else ""), fontsize=9,
-                     color="C3" if arm in own else "k")
-        ax.set_xlabel("rollout logprob", fontsize=8)
-        ax.set_ylabel("log pi_old - log pi_rollout", fontsize=8)
-        ax.tick_params(labelsize=7)
-    fig.suptitle(title or "where the mismatch sits: per-token log-ratio vs token probability", fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-def routing_layers_table(df: pd.DataFrame, summaries: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Mean routing agreement per arm (rows) and MoE layer (columns, global layer numbers), with
-    the arm's preset and replay mode when ``summaries`` (moerl.analysis.results.load_summaries) is given."""
-    cols = sorted((c for c in df.columns if c.startswith("routing/agreement/layer")),
-                  key=lambda c: int(c.rsplit("layer", 1)[1]))
-    table = df.groupby("arm")[cols].mean()
-    table.columns = [int(c.rsplit("layer", 1)[1]) for c in cols]
-    table.columns.name = "MoE layer"
-    if summaries is not None and not summaries.empty and "cfg/preset" in summaries:
-        knobs = summaries.groupby("arm")[["cfg/preset", "cfg/replay"]].first()
-        table = knobs.join(table, how="right").rename(columns={"cfg/preset": "preset", "cfg/replay": "replay"})
-        table = table.sort_values(["preset", "replay"])
-    return table
-
-
-REFIT_MODE_LABELS = {"adapter": "adapter-only (engine keeps bf16 W, applies the adapter unmerged)",
-                     "merged": "merged (adapter merged into a bf16 base and unmerged, each refit)"}
-
-
-def refit_figures(bench: dict, name: str = "bench_refit") -> dict[str, plt.Figure]:
-    """One question per figure, from benchmarks/bench_refit.py's JSON: ``cost`` (what does a refit cost,
-    adapter-only vs merged: measured time and bytes per preset), ``drift`` (does the engine's copy of
-    the weights drift over repeated refits?) and ``at_scale`` (how many bytes would a refit send at
-    the cluster models' size, analytic); the last two only when the JSON holds them."""
-    presets = bench.get("presets")
-    if not isinstance(presets, list) or not presets:
-        raise KeyError(f"{name}.json: expected a non-empty list 'presets' with adapter/merged entries "
-                       f"(have keys {sorted(bench)})")
-    figures = {}
-    mode_colors = {"adapter": "C0", "merged": "C1"}
-    labels = [f"{p.get('preset', i)}\n({p['base_params'] / 1e6:.3g} M params)" if p.get("base_params")
-              else str(p.get("preset", i)) for i, p in enumerate(presets)]
-    x = np.arange(len(presets))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0))
-    for j, mode in enumerate(("adapter", "merged")):
-        for ax, values in ((axes[0], [p.get(mode, {}).get("seconds_median", np.nan) * 1e3 for p in presets]),
-                           (axes[1], [p.get(mode, {}).get("bytes", np.nan) / 2**20 for p in presets])):
-            bars = ax.bar(x + 0.4 * j - 0.2, values, 0.4, label=REFIT_MODE_LABELS[mode], color=mode_colors[mode])
-            ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize=9)
-    for ax, ylabel in ((axes[0], "ms per refit (median over rounds)"), (axes[1], "MiB sent per refit")):
-        ax.set_xticks(x, labels, fontsize=10)
-        ax.set_yscale("log")
-        ax.set_ylabel(ylabel, fontsize=10)
-        ax.margins(y=0.25)
-        ax.grid(alpha=0.3, axis="y")
-    ratios = "; ".join(f"{p.get('preset')}: {p['speedup_adapter_vs_merged']:.2g}× faster, "
-                       f"{p.get('bytes_ratio', float('nan')):.2g}× fewer bytes" for p in presets
-                       if "speedup_adapter_vs_merged" in p)
-    axes[0].set_title("time per refit", fontsize=11)
-    axes[1].set_title("bytes per refit", fontsize=11)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=1,
-               fontsize=9, frameon=False)
-    fig.suptitle("What does a refit cost, adapter-only against merged?" + (f"\n(adapter-only {ratios})" if ratios else ""),
-                 fontsize=11)
-    fig.tight_layout()
-    figures["cost"] = fig
-    drift = bench.get("drift") or {}
-    if drift:
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for mode, values in drift.items():
-            ax.plot(np.arange(1, len(values) + 1), values, label=REFIT_MODE_LABELS.get(mode, mode),
-                    color=mode_colors.get(mode), lw=2)
-            ax.annotate(f"{values[-1]:.2g}", (len(values), values[-1]), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=9, color=mode_colors.get(mode))
-        ax.set_xlabel("refits", fontsize=10)
-        ax.set_ylabel("relative error of the engine's weights\n(Frobenius, vs the trainer's fp32 W + BA)", fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
-        ax.set_title("Does the engine's copy of the weights drift over repeated refits?", fontsize=11)
-        fig.tight_layout()
-        figures["drift"] = fig
-    analytic = bench.get("analytic") or {}
-    if analytic:
-        fig, ax = plt.subplots(figsize=(9.0, 4.2))
-        models = list(analytic)
-        keys = sorted({k[: -len("_bytes")] for m in models for k in analytic[m] if k.endswith("_bytes")},
-                      key=lambda k: (k != "full_bf16", k))
-        width = 0.8 / max(len(keys), 1)
-        for i, k in enumerate(keys):
-            ax.bar(np.arange(len(models)) + i * width, [analytic[m].get(f"{k}_bytes", np.nan) / 2**30 for m in models],
-                   width, label="merged: every weight in bf16" if k == "full_bf16" else f"adapter-only, {k}",
-                   color=plt.cm.Set2.colors[i % 8])
-        ax.set_xticks(np.arange(len(models)) + 0.4 - width / 2, [m.split(" (")[0] for m in models], fontsize=10)
-        ax.set_yscale("log")
-        ax.set_ylabel("GiB per refit", fontsize=10)
-        ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5),
-                  title="LoRA rank, expert layout", title_fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        ax.set_title("How many bytes would a refit send at the cluster models' size? (analytic)", fontsize=11)
-        fig.tight_layout()
-        figures["at_scale"] = fig
-    return figures
-
-
 def _paired_ratio(runs: pd.DataFrame, key: str, reference: str | dict[str, str]) -> pd.DataFrame:
     """Per arm: the ratio of ``key`` to the reference arm's on the same seed (seeds share prompts
     and initial weights), mean and min/max over seeds. ``reference``: one arm for all, or arm ->
@@ -1111,13 +620,6 @@ def gain_figure(runs: pd.DataFrame, title: str, questions: list[Question] | None
     return fig
 
 
-def save(fig: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
 def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: pd.DataFrame | None = None,
                        samples: pd.DataFrame | None = None, questions: list[Question] | None = None,
                        losses: dict[str, dict] | None = None) -> list[Path]:
@@ -1185,23 +687,6 @@ def experiment_figures(df: pd.DataFrame, experiment: str, out_dir: Path, runs: p
         paths.append(save(logprob_scatter(samples, f"{experiment}: at which token probabilities does the mismatch sit?",
                                           arms=focus), out_dir / f"{experiment}_logprob_scatter.png"))
     return paths
-
-
-def mis_caption(losses: dict[str, dict] | None) -> str:
-    """Why an MIS band reads as it does: it bounds a sequence ratio, whose spread depends on the level."""
-    from moerl.analysis.results import is_level
-
-    parts = []
-    for arm, loss in sorted((losses or {}).items()):
-        level = is_level(loss)
-        if loss.get("variant") == "mis" and level != "token":
-            parts.append(f"{arm} keeps sequences whose {LEVEL_TEXT[level].split(': ')[1]} lies in "
-                         f"[{loss.get('mis_lower', 0.5):g}, {loss.get('mis_upper', 2.0):g}]")
-    if not parts:
-        return ""
-    return ("; ".join(parts) + ". A product over a sequence's tokens spreads far wider than their geometric mean "
-            "(a per-token average), so a band on the product is set wide and a band on the geometric mean "
-            "narrow.")
 
 
 def _question_arms(questions: list[Question], names: tuple[str, ...]) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from moerl.analysis import confirmatory, power
 from moerl.analysis.dose import EXPERIMENT, REGISTERED
-from moerl.analysis.plots import arm_color, plt, save
+from moerl.analysis.figure_style import arm_color, plt, save
 from moerl.analysis.registration import Registration, analysis_path
 from moerl.analysis.verdicts import DRIFT_GROWTH, EARLY_LATE_WINDOW
 from moerl.tracking import read_metrics

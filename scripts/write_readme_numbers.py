@@ -25,7 +25,8 @@ WRITER = "scripts/write_readme_numbers.py"
 
 
 def _script(path: str, name: str):
-    """A function module that lives beside the scripts (write_results, 07's report), loaded by path."""
+    """A function module that lives beside the scripts (write_results, geometry_figures, 07's dose at the
+    warm start), loaded by path."""
     spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -186,7 +187,7 @@ def _runs_07(runs_root: Path, grids: str) -> list[dict]:
 def section_07(runs_root: Path) -> str:
     from moerl.analysis.dose import mismatch_order, regime, threshold
 
-    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    from moerl.analysis import dose_report as report
     runs = _runs_07(runs_root, "recorded")
     ladder, control = report.ladder_rows(runs)
     # the ladder itself is the figure above this section (and a table in the experiment's README)
@@ -207,14 +208,14 @@ def section_07(runs_root: Path) -> str:
 
 def section_07_ladder(runs_root: Path) -> str:
     """The seed-0 ladder pilot's table, as the report prints it."""
-    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    from moerl.analysis import dose_report as report
     return "\n".join(report.ladder_table(report.ladder_rows(_runs_07(runs_root, "recorded"))[0]))
 
 
 @functools.lru_cache(maxsize=None)  # one section per rung reads it; cleared at each main()
 def _main_grid_07(runs_root: Path) -> dict[str, dict]:
     """Experiment 07's main grid as the report computes it (moerl.analysis.dose), per rung."""
-    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    from moerl.analysis import dose_report as report
     runs = _runs_07(runs_root, "recorded")
     report.registration(runs)  # the grid's start, which the post-hoc labels are judged against
     return report.grid(runs)
@@ -223,7 +224,7 @@ def _main_grid_07(runs_root: Path) -> dict[str, dict]:
 def section_07_main(runs_root: Path, rung: str) -> str:
     """One rung of the main grid as the report prints it: per arm the paired differences and the verdicts,
     with the regime gate and every post-hoc label."""
-    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    from moerl.analysis import dose_report as report
     g = _main_grid_07(runs_root).get(rung)
     if g is None:
         return f"Main grid at {rung}: not run yet."
@@ -235,7 +236,7 @@ def section_07_main(runs_root: Path, rung: str) -> str:
 def _confirmatory(runs_root: Path) -> dict:
     from moerl.analysis import confirmatory
 
-    report = _script("experiments/07_dose_threshold/report.py", "moerl_dose_report")
+    from moerl.analysis import dose_report as report
     every_run = _runs_07(runs_root, "all")
     return {"report": report, "runs": every_run,
             "result": confirmatory.report(every_run, report.REGISTERED, confirmatory.rules_of(report.REGISTERED))}

@@ -1,6 +1,6 @@
-"""experiments/07_dose_threshold/report.py on crafted run directories: the ladder, the control's
-learning test per seed, and the main grid's paired verdicts land in ladder.md / ladder.json, and the
-figure is drawn."""
+"""moerl.analysis.dose_report (the code of experiments/07_dose_threshold/report.py) on crafted run
+directories: the ladder, the control's learning test per seed, and the main grid's paired verdicts land
+in ladder.md / ladder.json, and the figure is drawn."""
 import json
 import shutil
 import sys
@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests_helpers import load_script
+from moerl.analysis import dose_report as report
 
 REPO = Path(__file__).resolve().parents[2]
-report = load_script("experiments/07_dose_threshold/report.py", "report07")
 
 
 def write_run(root, arm, rung, seed, pass1_end, k3, extra=None, collapse=False, steps=60):

@@ -25,8 +25,8 @@ WRITER = "scripts/write_readme_numbers.py"
 
 
 def _script(path: str, name: str):
-    """A function module that lives beside the scripts (write_results, geometry_figures, 07's dose at the
-    warm start), loaded by path."""
+    """A function module that lives beside the scripts (write_results, 07's dose at the warm start),
+    loaded by path."""
     spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -148,9 +148,9 @@ def section_05(runs_root: Path) -> str:
 
 # -- experiment 06 ---------------------------------------------------------------------------------
 def section_06(geometry: Path) -> str:
+    from moerl.analysis import geometry_claims as gf
     from moerl.analysis.geometry_report import load_points, predictions
 
-    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
     df = load_points(geometry)
     rows = [line for line in gf.claims_lines(df, predictions(df))[2:]]
     lines = ["| claim | paper | verdict |", "|---|---|---|"]
@@ -162,17 +162,18 @@ def section_06(geometry: Path) -> str:
 
 def section_06_fits(geometry: Path) -> str:
     """The ladders' fitted slopes and the extrapolation to each cluster model's real geometry and width."""
+    from moerl.analysis import geometry_claims as gf
     from moerl.analysis.geometry_report import load_points, predictions
 
-    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
     df = load_points(geometry)
     return "\n".join([*gf.fit_lines(df), "", *gf.prediction_lines(predictions(df))])
 
 
 def section_06_gpu(geometry: Path) -> str:
     """The GPU width points beside the CPU's trained width ladder."""
-    gf = _script("scripts/geometry_figures.py", "moerl_geometry_figures")
-    return "\n".join(gf.gpu_width_lines(geometry))
+    from moerl.analysis.geometry_claims import gpu_width_lines
+
+    return "\n".join(gpu_width_lines(geometry))
 
 
 # -- experiment 07 ---------------------------------------------------------------------------------

@@ -177,9 +177,7 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     """RESULTS.md and the 06 README read the GPU points through one table: the CPU's trained width ladder
     first, then the GPU's points as one width ladder per SFT length; the real-width line compares the
     widest point with the CPU's SFT length (400); one line per GPU call; no GPU folder is one line."""
-    from tests_helpers import load_script
-
-    gf = load_script("scripts/geometry_figures.py", "moerl_geometry_figures_test")
+    from moerl.analysis import geometry_claims as gf
     lines = gf.gpu_width_lines(ROOT / "results" / "geometry")
     rows = [line for line in lines if line.startswith("| `")]
     names = [row.split("`")[1] for row in rows]
@@ -236,9 +234,7 @@ def test_another_sft_seed_is_named_recorded_and_drawn_apart(tmp_path):
 def test_the_report_reads_another_sft_seed_as_the_spread_between_sfts(tmp_path):
     """A point of another SFT seed stays out of the width ladder and the reference point; the report names
     its seed and states how far the SFTs at one width are apart."""
-    from tests_helpers import load_script
-
-    gf = load_script("scripts/geometry_figures.py", "moerl_geometry_figures_seed_test")
+    from moerl.analysis import geometry_claims as gf
     geometry = tmp_path / "geometry"
     (geometry / "gpu").mkdir(parents=True)
     for path in (ROOT / "results" / "geometry").glob("*.json"):

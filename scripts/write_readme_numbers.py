@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -22,16 +21,6 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 WRITER = "scripts/write_readme_numbers.py"
-
-
-def _script(path: str, name: str):
-    """A function module that lives beside the scripts (write_results, 07's dose at the warm start),
-    loaded by path."""
-    spec = importlib.util.spec_from_file_location(name, REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _f(x, spec: str) -> str:
@@ -104,11 +93,11 @@ ARMS_00 = ["fp32_rollout", "baseline", "r2", "r3", "tis", "geo_mis_3pct", "icepo
 
 def section_00(runs_root: Path) -> str:
     from moerl.analysis.results import load_sweep, run_table
+    from moerl.analysis.results_tables import family_ratio_cells
 
-    wr = _script("scripts/write_results.py", "moerl_write_results")
     exp = "00_tiny_moe_cpu"
     runs = run_table(runs_root, exp)
-    ratios = wr.family_ratio_cells(runs)
+    ratios = family_ratio_cells(runs)
     per_arm = runs.assign(k3=pd.to_numeric(runs["median/mismatch/k3"], errors="coerce"),
                           p0=pd.to_numeric(runs["initial_eval/eval/pass1"], errors="coerce"),
                           p1=pd.to_numeric(runs["final_eval/eval/pass1"], errors="coerce"),
@@ -283,9 +272,10 @@ def section_07_dose(out: Path) -> str:
     """The dose each rung gives at the warm start (dose_at_warm_start.json): the table and its spans."""
     import json
 
-    dose = _script("experiments/07_dose_threshold/dose_at_warm_start.py", "moerl_dose_at_warm_start")
+    from moerl.analysis.dose_report import warm_start_dose_lines, warm_start_dose_summary
+
     points = json.loads((out / "dose_at_warm_start.json").read_text())
-    return "\n".join([*dose.table_lines(points), "", dose.summary_line(points)])
+    return "\n".join([*warm_start_dose_lines(points), "", warm_start_dose_summary(points)])
 
 
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)

@@ -742,6 +742,41 @@ def pilot_rows(dirs: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The 4-bit rungs of the warm-start dose table, named (not matched by digit).
+FOUR_BIT = ("nvfp4", "int4")
+
+
+def warm_start_dose_lines(points: dict[str, dict]) -> list[str]:
+    """The dose each rung gives at the warm start (dose_at_warm_start.json), the rungs ordered by k3."""
+    layers = "/".join(sorted({str(len(p["moe_layers"])) for p in points.values()}))
+    lines = [f"| rung | k3 | k3 with R3 | tokens re-routed in ≥ 1 of {layers} MoE layers | mean per-layer flip | F(2) | "
+             "F(2) with R3 |", "|---|---|---|---|---|---|---|"]
+    for rung in sorted(points, key=lambda r: points[r]["native/k3"]):
+        p = points[rung]
+        lines.append(f"| {rung} | {p['native/k3']:.2e} | {p['r3/k3']:.2e} | {p['all/share']:.3f} "
+                     f"[{p['all/share_lo']:.3f}, {p['all/share_hi']:.3f}] | {p['all/p_mean']:.3f} | "
+                     f"{p['native/extreme_gt2']:.4f} | {p['r3/extreme_gt2']:.4f} |")
+    return lines
+
+
+def warm_start_dose_summary(points: dict[str, dict]) -> str:
+    """The ladder's order and spans, and the share of k3 R3 removes at 8-16 bits and at 4 bits."""
+    order = sorted(points, key=lambda r: points[r]["native/k3"])
+    k3 = [points[r]["native/k3"] for r in order]
+    share = [points[r]["all/share"] for r in order]
+
+    def removed(rungs: list[str]) -> str:
+        cut = sorted(100 * (1 - points[r]["r3/k3"] / points[r]["native/k3"]) for r in rungs if r in points)
+        return f"{cut[0]:.0f}–{cut[-1]:.0f} %" if cut else "—"
+
+    four_bit = [r for r in order if r in FOUR_BIT]
+    wide = [r for r in order if r not in four_bit]
+    return (f"Ordered by k3, the ladder is {' < '.join(order)}: a {max(k3) / min(k3):.0f}× span in k3 and "
+            f"{max(share) / min(share):.1f}× in re-routing; the 4-bit formats re-route "
+            f"{100 * min(points[r]['all/share'] for r in four_bit):.0f}–{100 * max(points[r]['all/share'] for r in four_bit):.0f} % "
+            f"of the tokens. R3 removes {removed(wide)} of k3 at 8 and 16 bits and {removed(four_bit)} at 4 bits.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="results/runs")

@@ -52,3 +52,20 @@ def test_every_documented_command_names_what_exists(doc):
             wrong += [f"{target} {option}: not an option of the script" for option in OPTION.findall(rest)
                       if f'"{option}"' not in source and f"'{option}'" not in source]
     assert not wrong, f"{doc}: " + "; ".join(sorted(set(wrong)))
+
+
+# A path of the repository's own code or docs, as the documentation quotes it in backticks.
+QUOTED_PATH = re.compile(r"`((?:src|scripts|experiments|tests|benchmarks|analysis|docs)/[\w/.+-]+)")
+# Quoted paths that are not this repository's: verl's own documentation, cited as the source of a formula.
+UPSTREAM_PATHS = {"docs/algo/rollout_corr_math.md"}
+
+
+@pytest.mark.parametrize("doc", [str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_quoted_repository_path_exists(doc):
+    """A module, script or folder the prose names in backticks exists, so a reader who follows it (or a
+    module that was moved) does not land on nothing. Placeholders (``experiments/NN``) are skipped."""
+    text = (ROOT / doc).read_text()
+    quoted = {m.group(1).rstrip(".") for m in QUOTED_PATH.finditer(text)}
+    missing = sorted(p for p in quoted - UPSTREAM_PATHS
+                     if "NN" not in p and not (ROOT / p).exists() and not (ROOT / p.rstrip("/")).exists())
+    assert not missing, f"{doc}: quoted paths that do not exist: {missing}"

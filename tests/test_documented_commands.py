@@ -56,8 +56,9 @@ def test_every_documented_command_names_what_exists(doc):
 
 # A path of the repository's own code or docs, as the documentation quotes it in backticks.
 QUOTED_PATH = re.compile(r"`((?:src|scripts|experiments|tests|benchmarks|analysis|docs)/[\w/.+-]+)")
-# Quoted paths that are not this repository's: verl's own documentation, cited as the source of a formula.
-UPSTREAM_PATHS = {"docs/algo/rollout_corr_math.md"}
+# Paths that are not this repository's: verl's own documentation, cited as the source of a formula or
+# setting.
+UPSTREAM_PATHS = {"docs/algo/rollout_corr_math.md", "docs/advance/ppo_lora.rst"}
 
 
 @pytest.mark.parametrize("doc", [str(d.relative_to(ROOT)) for d in DOCS])
@@ -69,3 +70,24 @@ def test_every_quoted_repository_path_exists(doc):
     missing = sorted(p for p in quoted - UPSTREAM_PATHS
                      if "NN" not in p and not (ROOT / p).exists() and not (ROOT / p.rstrip("/")).exists())
     assert not missing, f"{doc}: quoted paths that do not exist: {missing}"
+
+
+# A repository path named anywhere in the code's comments and docstrings (outside the tests, whose
+# fixtures name made-up paths on purpose).
+CODE = sorted(p for pattern in ("src/**/*.py", "scripts/*", "experiments/**/*", "benchmarks/*.py", "analysis/*.ipynb")
+              for p in ROOT.glob(pattern) if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".ipynb", ".sbatch"))
+NAMED_PATH = re.compile(r"(?<![\w/.$-])((?:src|scripts|experiments|benchmarks|analysis|docs)/[\w/.+-]*\w)(?!\{)")
+
+
+def test_every_path_the_code_names_exists():
+    """A comment or docstring that points at a moved or renamed file sends its reader nowhere."""
+    assert len(CODE) > 100
+    missing = []
+    for path in CODE:
+        for m in NAMED_PATH.finditer(path.read_text()):
+            name = m.group(1)
+            if any(mark in name for mark in ("NN", "NAME")) or name in UPSTREAM_PATHS:
+                continue  # a placeholder or another project's file
+            if not (ROOT / name).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "paths that do not exist: " + "; ".join(missing)

@@ -137,11 +137,11 @@ def section_05(runs_root: Path) -> str:
 
 # -- experiment 06 ---------------------------------------------------------------------------------
 def section_06(geometry: Path) -> str:
-    from moerl.analysis import geometry_claims as gf
+    from moerl.analysis import geometry_claims
     from moerl.analysis.geometry_report import load_points, predictions
 
     df = load_points(geometry)
-    rows = [line for line in gf.claims_lines(df, predictions(df))[2:]]
+    rows = [line for line in geometry_claims.claims_lines(df, predictions(df))[2:]]
     lines = ["| claim | paper | verdict |", "|---|---|---|"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -151,11 +151,11 @@ def section_06(geometry: Path) -> str:
 
 def section_06_fits(geometry: Path) -> str:
     """The ladders' fitted slopes and the extrapolation to each cluster model's real geometry and width."""
-    from moerl.analysis import geometry_claims as gf
+    from moerl.analysis import geometry_claims
     from moerl.analysis.geometry_report import load_points, predictions
 
     df = load_points(geometry)
-    return "\n".join([*gf.fit_lines(df), "", *gf.prediction_lines(predictions(df))])
+    return "\n".join([*geometry_claims.fit_lines(df), "", *geometry_claims.prediction_lines(predictions(df))])
 
 
 def section_06_gpu(geometry: Path) -> str:

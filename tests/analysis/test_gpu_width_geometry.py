@@ -177,8 +177,8 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     """RESULTS.md and the 06 README read the GPU points through one table: the CPU's trained width ladder
     first, then the GPU's points as one width ladder per SFT length; the real-width line compares the
     widest point with the CPU's SFT length (400); one line per GPU call; no GPU folder is one line."""
-    from moerl.analysis import geometry_claims as gf
-    lines = gf.gpu_width_lines(ROOT / "results" / "geometry")
+    from moerl.analysis.geometry_claims import gpu_width_lines
+    lines = gpu_width_lines(ROOT / "results" / "geometry")
     rows = [line for line in lines if line.startswith("| `")]
     names = [row.split("`")[1] for row in rows]
     assert names[:4] == ["state_qwen3_warm400", "state_qwen3_warm400_h128", "state_qwen3_warm400_h256",
@@ -202,7 +202,7 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     assert ("disjoint" if disjoint else "overlap") in same[0]
     empty = tmp_path / "geometry"
     (empty / "gpu").mkdir(parents=True)
-    assert gf.gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "
+    assert gpu_width_lines(empty) == [f"No GPU point is recorded under `{empty / 'gpu'}` "
                                          "(scripts/gpu_width_geometry.py writes them)."]
 
 
@@ -234,7 +234,7 @@ def test_another_sft_seed_is_named_recorded_and_drawn_apart(tmp_path):
 def test_the_report_reads_another_sft_seed_as_the_spread_between_sfts(tmp_path):
     """A point of another SFT seed stays out of the width ladder and the reference point; the report names
     its seed and states how far the SFTs at one width are apart."""
-    from moerl.analysis import geometry_claims as gf
+    from moerl.analysis.geometry_claims import gpu_width_lines
     geometry = tmp_path / "geometry"
     (geometry / "gpu").mkdir(parents=True)
     for path in (ROOT / "results" / "geometry").glob("*.json"):
@@ -248,7 +248,7 @@ def test_the_report_reads_another_sft_seed_as_the_spread_between_sfts(tmp_path):
     for key in ("all/share", "all/share_lo", "all/share_hi"):
         rec["results"]["bf16"][key] -= 0.05
     (geometry / "gpu" / "gpu_qwen3_warm400_h256_f128_sft1.json").write_text(json.dumps(rec))
-    lines = gf.gpu_width_lines(geometry)
+    lines = gpu_width_lines(geometry)
     row = next(line for line in lines if line.startswith("| `gpu_qwen3_warm400_h256_f128_sft1`"))
     assert "| 400 (seed 1) |" in row
     between = [line for line in lines if line.startswith("- Between SFTs on the GPU (hidden 256, 400 steps")]

@@ -278,6 +278,59 @@ def section_07_dose(out: Path) -> str:
     return "\n".join([*warm_start_dose_lines(points), "", warm_start_dose_summary(points)])
 
 
+def section_07_calibration(results: Path) -> str:
+    """calibrate.py's table (calibration.json), the chosen warm start in bold (base.yaml), experiment 05's
+    saturated warm start beside it (its fp32 control's step-0 evaluation), and the choice against the criteria."""
+    import json
+
+    import yaml
+
+    from moerl.analysis.dose_facts import calibration_lines, calibration_summary
+    from moerl.tracking import read_metrics
+
+    table = {int(k): v for k, v in json.loads((results / "07_dose_threshold" / "calibration.json").read_text()).items()}
+    chosen = yaml.safe_load((REPO / "experiments/07_dose_threshold/base.yaml").read_text())["warm_start"]["steps"]
+    run05 = results / "runs" / "05_mismatch_consequences" / "fp32_rollout" / "seed0"
+    first = next(r for r in read_metrics(run05 / "metrics.jsonl") if "eval/pass1" in r)
+    steps05 = yaml.safe_load((run05 / "config.yaml").read_text())["warm_start"]["steps"]
+    saturated = (steps05, {"pass1": first["eval/pass1"], "greedy": first["eval/greedy"]})
+    return "\n".join([*calibration_lines(table, chosen, saturated), "", calibration_summary(table, chosen)])
+
+
+def section_07_pilots(pilots: Path) -> str:
+    """The regime pilots' table (report.py --pilots results/pilots/07_r*), in the order they were run."""
+    from moerl.analysis.dose_report import pilot_rows
+
+    dirs = sorted(pilots.glob("07_r*"), key=lambda d: int(re.match(r"07_r(\d+)", d.name).group(1)))
+    return pilot_rows(dirs)
+
+
+def section_07_control(results: Path) -> str:
+    """The 3-seed control and its supplementary re-measurement (moerl.analysis.dose_facts.control_facts)."""
+    import json
+
+    from moerl.analysis.dose_facts import control_facts
+
+    again = results / "07_dose_threshold" / "control_reevaluated.json"
+    return control_facts(_runs_07(results / "runs", "recorded"),
+                         json.loads(again.read_text()) if again.exists() else None)
+
+
+def _weight_error_line() -> str:
+    from moerl.analysis.dose_facts import weight_error_line
+    return weight_error_line()
+
+
+def section_07_ladder_facts(runs_root: Path) -> str:
+    from moerl.analysis.dose_facts import ladder_facts
+    return ladder_facts(_runs_07(runs_root, "recorded"))
+
+
+def section_07_grid_facts(runs_root: Path, rung: str) -> str:
+    from moerl.analysis.dose_facts import grid_facts
+    return grid_facts(_runs_07(runs_root, "recorded"), rung)
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
@@ -297,6 +350,16 @@ SECTIONS = {
                 lambda results: section_07_dose(results / "07_dose_threshold")),
     "07_registered": (["experiments/07_dose_threshold/README.md"],
                       lambda results: section_07_registered(results / "runs")),
+    "07_calibration": (["experiments/07_dose_threshold/README.md"], section_07_calibration),
+    "07_pilots": (["experiments/07_dose_threshold/README.md"], lambda results: section_07_pilots(results / "pilots")),
+    "07_weight_error": (["experiments/07_dose_threshold/README.md"], lambda results: _weight_error_line()),
+    "07_control": (["experiments/07_dose_threshold/README.md"], section_07_control),
+    "07_ladder_facts": (["experiments/07_dose_threshold/README.md"],
+                        lambda results: section_07_ladder_facts(results / "runs")),
+    "07_facts_nvfp4": (["experiments/07_dose_threshold/README.md"],
+                       lambda results: section_07_grid_facts(results / "runs", "nvfp4")),
+    "07_facts_fp8": (["experiments/07_dose_threshold/README.md"],
+                     lambda results: section_07_grid_facts(results / "runs", "fp8")),
 }
 
 

@@ -7,7 +7,8 @@ For each ``warm_start.steps`` the warm start is trained (or taken from results/w
 config) and measured by the fp32 policy at temperature 1: pass@1 and greedy accuracy on the 256 held-out
 problems, and on 64 of them x 8 samples the mean per-token entropy and the mean answer length. Writes
 ``<out>/calibration.json`` (one entry per step count, merged with earlier calls) and prints the table;
-the pick goes into base.yaml's ``warm_start.steps`` by hand, with the table in README.md.
+the pick goes into base.yaml's ``warm_start.steps`` by hand; the README's table is written from calibration.json by
+scripts/write_readme_numbers.py.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from moerl.analysis.dose_facts import (CALIBRATION_REGIME as REGIME, SHARPER_TEMPERATURES,  # noqa: E402
+                                       calibration_lines)
 from moerl.config import load_config  # noqa: E402
 from moerl.rollout.hf import HFEngine  # noqa: E402
 from moerl.trainer.grpo import check_splits  # noqa: E402
@@ -29,10 +32,6 @@ from moerl.trainer.logprobs import forward_logprobs  # noqa: E402
 from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir  # noqa: E402
 
 BASE = ROOT / "experiments/07_dose_threshold/arms/fp32_control.yaml"
-REGIME = {"pass1": (0.25, 0.55), "entropy": 0.2, "length": 25}
-# pass@1 at lower sampling temperatures: how much a policy could gain by sharpening alone, the easiest
-# thing for GRPO to learn (greedy accuracy is the limit as T -> 0).
-SHARPER_TEMPERATURES = (0.8, 0.6)
 
 
 def measure(steps: int) -> dict:
@@ -74,15 +73,7 @@ def main() -> None:
         table[steps] = measure(steps)
         path.write_text(json.dumps({str(k): table[k] for k in sorted(table)}, indent=1) + "\n")
         print(json.dumps(table[steps]), flush=True)
-    print("\n| warm-start steps | pass@1 | pass@1 at T = 0.8 / 0.6 | greedy | entropy (nats/token) | answer tokens "
-          "| in regime |")
-    print("|---|---|---|---|---|---|---|")
-    for steps in sorted(table):
-        r = table[steps]
-        cool = r.get("pass1_at_temperature")
-        cool = " / ".join(f"{cool[str(t)]:.3f}" for t in SHARPER_TEMPERATURES) if cool else "—"
-        print(f"| {steps} | {r['pass1']:.3f} | {cool} | {r['greedy']:.3f} | {r['entropy_per_token']:.3f} | "
-              f"{r['answer_tokens']:.1f} | {'yes' if r['in_regime'] else 'no'} |")
+    print("\n" + "\n".join(calibration_lines(table, temperatures=SHARPER_TEMPERATURES)))
 
 
 if __name__ == "__main__":

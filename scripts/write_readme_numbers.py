@@ -134,6 +134,26 @@ def section_05(runs_root: Path) -> str:
         lines.append(f"| {c.claim} | {c.source} | **{c.verdict}** |")
     return "\n".join(lines)
 
+# Experiment 05's pilots in the order its README reads them: lr 1e-3, then lr 3e-4 / 5e-4 and mini-batches
+# with their controls, the DeepSeek-V3 preset, the 300-step runs; any other archived pilot follows.
+PILOT_ORDER_05 = ("p4", "p5", "p1", "p2", "p3", "p9", "p10", "p7", "p8", "p11", "p12", "p13", "p15", "p16")
+
+
+def _pilots_05(pilots: Path) -> list[Path]:
+    rank = {p: i for i, p in enumerate(PILOT_ORDER_05)}
+    return sorted(pilots.glob("05_p*"), key=lambda d: (rank.get(d.name.split("_")[1], len(rank)), d.name))
+
+
+def section_05_pilots(pilots: Path) -> str:
+    from moerl.analysis.pilots import search_table
+    return "\n".join(search_table(_pilots_05(pilots)))
+
+
+def section_05_pilot_facts(pilots: Path) -> str:
+    from moerl.analysis.pilots import search_facts
+    return search_facts(_pilots_05(pilots))
+
+
 
 # -- experiment 06 ---------------------------------------------------------------------------------
 def section_06(geometry: Path) -> str:
@@ -299,10 +319,10 @@ def section_07_calibration(results: Path) -> str:
 
 def section_07_pilots(pilots: Path) -> str:
     """The regime pilots' table (report.py --pilots results/pilots/07_r*), in the order they were run."""
-    from moerl.analysis.dose_report import pilot_rows
+    from moerl.analysis.pilots import regime_table
 
     dirs = sorted(pilots.glob("07_r*"), key=lambda d: int(re.match(r"07_r(\d+)", d.name).group(1)))
-    return pilot_rows(dirs)
+    return regime_table(dirs)
 
 
 def section_07_control(results: Path) -> str:
@@ -336,6 +356,10 @@ SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
+    "05_pilots": (["experiments/05_mismatch_consequences/README.md"],
+                  lambda results: section_05_pilots(results / "pilots")),
+    "05_pilot_facts": (["experiments/05_mismatch_consequences/README.md"],
+                       lambda results: section_05_pilot_facts(results / "pilots")),
     "06": (["README.md", "experiments/06_routing_geometry/README.md"], lambda results: section_06(results / "geometry")),
     "06_fits": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_fits(results / "geometry")),
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),

@@ -17,14 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 from moerl.analysis import confirmatory, power
 from moerl.analysis.dose import (ACTS_ON, ACTS_ON_PREREGISTERED, EXPERIMENT, GEO_MIS, GRID_SEEDS,
                                  MATCH_MARGIN, MITIGATIONS, REGISTERED, RUNGS, RunReadError, arm_threshold,
                                  control_learns, dose_order_uncertainty, k3_median_before, load_runs, mismatch_order,
                                  mitigation_verdicts, paired_noise_sd, r3_reduces_mismatch, regime, registered,
-                                 run_summary, threshold, threshold_shift)
+                                 threshold, threshold_shift)
 from moerl.analysis.figure_style import arm_color, save
 from moerl.analysis.registered_figures import (confirmatory_figure, drift_figure, mechanism_figure,
                                                rolling_median)
@@ -717,31 +715,6 @@ def dynamics_figure(runs: list[dict], path: Path) -> Path | None:
     return save(fig, path)
 
 
-def pilot_rows(dirs: list[Path]) -> str:
-    """The regime pilots (fp32 control under other learning rates and batch shapes): one row each, from
-    the archived metrics (``metrics.jsonl.gz``) and config of every directory given."""
-    import gzip
-
-    lines = ["| pilot | warm start | LoRA experts | lr (warm-up) | prompts x samples | mini-batches | steps | "
-             "training reward, 20-step means | held-out pass@1 (fp32 evaluator) by step | grad-norm max | collapse step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for run in dirs:
-        with gzip.open(run / "metrics.jsonl.gz", "rt") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-        summary = run_summary(rows)
-        train = [r["reward/mean"] for r in rows if "reward/mean" in r]
-        blocks = " ".join(f"{sum(train[i:i + 20]) / len(train[i:i + 20]):.2f}" for i in range(0, len(train), 20))
-        evals = ", ".join(f"{r['step']}: {r['eval/pass1']:.3f}" for r in rows if "eval/pass1" in r)
-        t, ro = cfg["trainer"], cfg["rollout"]
-        warmup = f" ({t['warmup_steps']})" if t.get("warmup_steps") else ""
-        lines.append(f"| {run.name} | {cfg['warm_start']['steps']} | {cfg['lora']['expert_mode']} | {t['lr']:g}{warmup} | "
-                     f"{ro['prompts_per_step']} x {ro['group_size']} | "
-                     f"{t['mini_batches']} | {summary['steps']}/{t['steps']} | {blocks} | {evals} | "
-                     f"{fmt(summary['grad_norm_max'], '.1f')} | {summary['collapse_step'] or '—'} |")
-    return "\n".join(lines) + "\n"
-
-
 # The 4-bit rungs of the warm-start dose table, named (not matched by digit).
 FOUR_BIT = ("nvfp4", "int4")
 
@@ -793,7 +766,8 @@ def main() -> None:
     ap.add_argument("--pilots", nargs="*", help="archived regime pilots (results/pilots/07_*): print their table")
     args = ap.parse_args()
     if args.pilots:
-        print(pilot_rows([Path(p) for p in args.pilots]))
+        from moerl.analysis.pilots import regime_table
+        print(regime_table([Path(p) for p in args.pilots]))
         return
     try:
         every_run = load_runs(Path(args.runs), grids="all")

@@ -123,16 +123,54 @@ def section_00(runs_root: Path) -> str:
 
 
 # -- experiment 05 ---------------------------------------------------------------------------------
-def section_05(runs_root: Path) -> str:
+@functools.lru_cache(maxsize=None)  # three sections read the same runs; cleared at each main()
+def _runs_05(runs_root: Path):
     from moerl.analysis import claims
     from moerl.analysis.results import load_metrics, run_table
 
     runs = run_table(runs_root, claims.EXPERIMENT)
     metrics = claims.finished(load_metrics(runs_root, claims.EXPERIMENT), runs)
+    return metrics, runs, claims.evaluate_claims(metrics, runs)
+
+
+def section_05(runs_root: Path) -> str:
     lines = ["| claim | source | reproduced |", "|---|---|---|"]
-    for c in claims.evaluate_claims(metrics, runs):
+    for c in _runs_05(runs_root)[2]:
         lines.append(f"| {c.claim} | {c.source} | **{c.verdict}** |")
     return "\n".join(lines)
+
+
+def section_05_claims(runs_root: Path) -> str:
+    """Each claim with this repository's values and verdict (RESULTS.md has the rules and registration)."""
+    lines = ["| claim | this repo (CPU scale) | reproduced |", "|---|---|---|"]
+    for c in _runs_05(runs_root)[2]:
+        lines.append(f"| {c.claim} | {c.repo} | **{c.verdict}** |")
+    return "\n".join(lines)
+
+
+def section_05_facts(runs_root: Path) -> str:
+    """claims.facts_markdown, and the grid's budget: its sweeps' wall time (sweep.json) and each run's own
+    logged step and evaluation times."""
+    import json
+
+    import numpy as np
+
+    from moerl.analysis import claims
+    from moerl.tracking import logged_seconds, read_metrics
+
+    runs_dir = runs_root / claims.EXPERIMENT
+    seconds = [logged_seconds(read_metrics(summary.parent / "metrics.jsonl"))
+               for summary in sorted(runs_dir.glob("*/seed*/summary.json"))]
+    sweep = json.loads((runs_dir / "sweep.json").read_text()) if (runs_dir / "sweep.json").exists() else {}
+    ran = [i for i in sweep.get("invocations", []) if i.get("ran")]
+    budget = (f"- budget: {len(seconds)} runs, {np.median(seconds):.0f} s each by their logged times (median; "
+              f"{min(seconds):.0f}–{max(seconds):.0f} s), {sum(seconds) / 3600:.1f} h in all, "
+              f"{len(seconds) * np.median(seconds) / 2 / 3600:.1f} h two at a time at the median"
+              + (f"; the sweeps took {sweep.get('total_wall_seconds', 0) / 60:.0f} min of wall time over {len(ran)} "
+                 f"invocations ({ran[0].get('jobs')} runs at a time, {ran[0].get('threads_per_job')} thread each)"
+                 if ran else ""))
+    return "\n".join([claims.facts_markdown(_runs_05(runs_root)[0]), budget])
+
 
 # Experiment 05's pilots in the order its README reads them: lr 1e-3, then lr 3e-4 / 5e-4 and mini-batches
 # with their controls, the DeepSeek-V3 preset, the 300-step runs; any other archived pilot follows.
@@ -356,6 +394,8 @@ SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
+    "05_claims": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_claims(results / "runs")),
+    "05_facts": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_facts(results / "runs")),
     "05_pilots": (["experiments/05_mismatch_consequences/README.md"],
                   lambda results: section_05_pilots(results / "pilots")),
     "05_pilot_facts": (["experiments/05_mismatch_consequences/README.md"],
@@ -408,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _confirmatory.cache_clear()  # results may have changed since a previous call in this process
     _runs_07.cache_clear()
+    _runs_05.cache_clear()
     _main_grid_07.cache_clear()
     wanted = [n for n in args.only.split(",") if n] or list(SECTIONS)
     unknown = [n for n in wanted if n not in SECTIONS]

@@ -98,3 +98,15 @@ def test_k3_is_compared_by_run_medians_so_one_spike_does_not_decide():
     ratios, text = claims.k3_ratio(metrics, "r2", "baseline")
     assert ratios == [1.0, 1.0, 1.0] and "ratio of means" in text
     assert claims.claim_r2(metrics, runs).verdict == "yes"  # by the means R2 would look 80x better
+
+
+def test_the_readme_facts_name_the_heavy_step_and_the_two_routing_measures():
+    metrics, _ = frames({"baseline": dict(k3=1e-4, **{"routing/agreement": 0.97, "routing/any_layer_differs": 0.2}),
+                         "ppo_tight_clip": dict(k3=1e-4),
+                         "deepseek_r3_position_bug": dict(collapse_at=60, **{"eval/pass1": 0.004})})
+    metrics.loc[(metrics["arm"] == "ppo_tight_clip") & (metrics["step"] == 7), "mismatch/k3"] = 0.6  # one spike
+    text = claims.facts_markdown(metrics)
+    assert "deepseek_r3_position_bug at the end: training reward (last 20 steps) 0.00, held-out pass@1 0.004" in text
+    assert "routing agreement averaged over layers 0.9700; tokens agreeing in all 8 MoE layers 80.0 %" in text
+    # the spike carries the mean to 6e-1 / 120 + 1e-4 = 51x the baseline's; the median does not move
+    assert "largest per-step k3 0.60 (6,000× its median step); run mean 51× the baseline's, run median 1.0×" in text

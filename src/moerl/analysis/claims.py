@@ -392,6 +392,38 @@ def claims_markdown(claims: list[Claim]) -> str:
     return "\n".join(lines)
 
 
+def _span(values: pd.Series, spec: str) -> str:
+    lo, hi = format(values.min(), spec), format(values.max(), spec)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def facts_markdown(metrics: pd.DataFrame) -> str:
+    """Measures the 05 README's reading cites besides the claims table: how the position-bug runs end,
+    how the baseline's per-layer agreement and its all-layers share differ, and how one heavy step moves
+    the tight-clip arm's mean k3 but not its median."""
+    train = _train(metrics)
+    lines = []
+    bug = train[train["arm"] == "deepseek_r3_position_bug"]
+    if not bug.empty:
+        reward = bug.sort_values("step").groupby("seed")["reward/mean"].apply(lambda s: s.tail(20).mean())
+        final = metrics[(metrics["arm"] == "deepseek_r3_position_bug") & metrics["eval/pass1"].notna()]
+        final = final.sort_values("step").groupby("seed")["eval/pass1"].last()
+        lines.append(f"- deepseek_r3_position_bug at the end: training reward (last 20 steps) "
+                     f"{_span(reward, '.2f')}, held-out pass@1 {_span(final, '.3f')}")
+    agree = _arm_values(window_mean(metrics, "routing/agreement"), "baseline")
+    alike = _arm_values(window_mean(metrics, "routing/any_layer_differs"), "baseline")
+    if agree and alike:
+        lines.append(f"- baseline: routing agreement averaged over layers {np.mean(agree):.4f}; tokens agreeing in "
+                     f"all 8 MoE layers {100 * (1 - np.mean(alike)):.1f} %")
+    clip = train[(train["arm"] == "ppo_tight_clip") & (train["seed"] == 0)]["mismatch/k3"].dropna()
+    base = train[(train["arm"] == "baseline") & (train["seed"] == 0)]["mismatch/k3"].dropna()
+    if not clip.empty and not base.empty:
+        lines.append(f"- ppo_tight_clip seed 0: largest per-step k3 {clip.max():.2f} ({clip.max() / clip.median():,.0f}× its "
+                     f"median step); run mean {clip.mean() / base.mean():.0f}× the baseline's, run median "
+                     f"{clip.median() / base.median():.1f}×")
+    return "\n".join(lines)
+
+
 def collapse_markdown(metrics: pd.DataFrame) -> str:
     """Each run's collapse step (moerl.analysis.collapse), one row per arm, one column per seed."""
     steps = collapse_steps(metrics)

@@ -199,7 +199,8 @@ def section_06(geometry: Path) -> str:
     from moerl.analysis.geometry_report import load_points, predictions
 
     df = load_points(geometry)
-    rows = [line for line in geometry_claims.claims_lines(df, predictions(df))[2:]]
+    exp05 = geometry_claims.experiment_05_share(geometry.parent / "runs" / "05_mismatch_consequences" / "baseline")
+    rows = [line for line in geometry_claims.claims_lines(df, predictions(df), exp05)[2:]]
     lines = ["| claim | paper | verdict |", "|---|---|---|"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -208,3 +208,20 @@ def test_every_recorded_point_is_finished_under_todays_spec():
              if not measure_geometry.finished(root / "results" / "geometry" / f"{p.name}.json",
                                               measure_geometry.spec(p, 16, cfg))]
     assert stale == []
+
+
+def test_experiment_05s_share_is_read_from_its_runs_and_a_missing_run_is_named(tmp_path):
+    import json
+
+    import pytest
+
+    from moerl.analysis.geometry_claims import experiment_05_share
+
+    for seed, share in ((0, 0.1), (1, 0.2)):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        rows = [{"step": s, "routing/any_layer_differs": share + (0.02 if s % 2 else -0.02)} for s in range(1, 11)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert experiment_05_share(tmp_path) == pytest.approx(0.15)
+    with pytest.raises(FileNotFoundError, match="no recorded run with routing/any_layer_differs"):
+        experiment_05_share(tmp_path / "missing")

@@ -208,6 +208,20 @@ def section_06(geometry: Path) -> str:
     return "\n".join(lines)
 
 
+def _geometry_timing(geometry: Path) -> str:
+    from moerl.analysis.geometry_claims import timing_line
+    return timing_line(geometry)
+
+
+def section_06_answer(geometry: Path) -> str:
+    """The measured facts the 06 README's answer cites (moerl.analysis.geometry_claims.answer_lines)."""
+    from moerl.analysis import geometry_claims
+    from moerl.analysis.geometry_report import load_points
+
+    exp05 = geometry_claims.experiment_05_share(geometry.parent / "runs" / "05_mismatch_consequences" / "baseline")
+    return "\n".join(geometry_claims.answer_lines(load_points(geometry), exp05, geometry))
+
+
 def section_06_fits(geometry: Path) -> str:
     """The ladders' fitted slopes and the extrapolation to each cluster model's real geometry and width."""
     from moerl.analysis import geometry_claims
@@ -402,6 +416,8 @@ SECTIONS = {
     "05_pilot_facts": (["experiments/05_mismatch_consequences/README.md"],
                        lambda results: section_05_pilot_facts(results / "pilots")),
     "06": (["README.md", "experiments/06_routing_geometry/README.md"], lambda results: section_06(results / "geometry")),
+    "06_answer": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_answer(results / "geometry")),
+    "06_timing": (["experiments/06_routing_geometry/README.md"], lambda results: _geometry_timing(results / "geometry")),
     "06_fits": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_fits(results / "geometry")),
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),

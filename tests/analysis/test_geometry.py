@@ -225,3 +225,26 @@ def test_experiment_05s_share_is_read_from_its_runs_and_a_missing_run_is_named(t
     assert experiment_05_share(tmp_path) == pytest.approx(0.15)
     with pytest.raises(FileNotFoundError, match="no recorded run with routing/any_layer_differs"):
         experiment_05_share(tmp_path / "missing")
+
+
+def test_answer_lines_name_the_largest_independence_gap_and_every_router_state(tmp_path):
+    import json
+    from pathlib import Path
+
+    from moerl.analysis.geometry_claims import answer_lines, timing_line
+    from moerl.analysis.geometry_report import load_points
+
+    root = Path(__file__).resolve().parents[2] / "results" / "geometry"
+    df = load_points(root)
+    lines = answer_lines(df, exp05=0.155)
+    assert any(line.startswith("- router state at experiment 05's geometry: random init") for line in lines)
+    assert not any(line.startswith("- GPU") for line in lines)  # no geometry folder given: no GPU line
+    # make one random-init point's independence prediction miss by 30 points: the line names it
+    row = df.index[(df.point == "depth_L16") & (df.rollout == "bf16")][0]
+    df.loc[row, "independence"] = df.loc[row, "share"] + 0.30
+    gap = next(line for line in answer_lines(df, exp05=0.155) if line.startswith("- independence"))
+    assert "random-init Qwen3-MoE +30.0 points (depth_L16:" in gap
+    (tmp_path / "a.json").write_text(json.dumps({"seconds_total": 60.0}))
+    (tmp_path / "b.json").write_text(json.dumps({"seconds_total": 3600.0}))
+    assert timing_line(tmp_path) == ("Time per CPU point (`seconds_total`, one thread, SFT included): median 1830 s "
+                                     "over 2 points; longest `b` 60 min, `a` 1 min.")

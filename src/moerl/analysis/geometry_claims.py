@@ -231,6 +231,112 @@ def claims_lines(df, preds, exp05: float | None = None) -> list[str]:
     return lines
 
 
+def answer_lines(df, exp05: float, geometry: str | Path | None = None) -> list[str]:
+    """The measured facts the README's answer cites, one line per question: the base geometry by router
+    state, depth (random init and trained), top-k, expert count, width (random init and trained), router
+    state at experiment 05's geometry, and the GPU's trained routers (``geometry``/gpu) where recorded."""
+    from moerl.analysis.geometry_report import point_row
+
+    fitted = fits(df)
+
+    def slope(name: str, factor: str) -> str:
+        return f"∝ {factor}^{fitted[name]['b']:+.2f}" if name in fitted else "no fit"
+
+    def along(rows: pd.DataFrame, factor: str, unit: str) -> str:
+        rows = rows.sort_values(factor)
+        return (f"mean p_l {' / '.join(f'{r.p_mean:.3f}' for _, r in rows.iterrows())} and share "
+                f"{' / '.join(f'{100 * r.share:.1f}' for _, r in rows.iterrows())} % at "
+                f"{' / '.join(str(int(v)) for v in rows[factor])} {unit}")
+
+    lines = []
+    base = point_row(df, "qwen3_base_L48_E128_k8_h64")
+    sft = [r for r in (point_row(df, "state_qwen3_warm150"), point_row(df, "state_qwen3_warm400")) if r is not None]
+    if base is not None:
+        lines.append(f"- Qwen3-30B-A3B's routing geometry (48 x 128, top-8) at hidden {int(base.H)}: random init "
+                     f"{pct(base.share, base.share_lo, base.share_hi)} (mean p_l {base.p_mean:.3f}); " + "; ".join(
+                         f"after a {r.sft_steps:.0f}-step SFT {pct(r.share, r.share_lo, r.share_hi)} (p_l {r.p_mean:.3f}, "
+                         f"SFT pass@1 {r.sft_pass1:.2f})" for r in sft)
+                     + f"; experiment 05's runs (8 x 32, top-4): {pct(exp05)}")
+        if sft:
+            lines.append(f"- training lowers the base geometry's p_l {base.p_mean / sft[-1].p_mean:.1f}× "
+                         f"(random init → {sft[-1].sft_steps:.0f}-step SFT)")
+    depth = ladder(df, "depth")
+    if len(depth):
+        lines.append(f"- depth, random init ({slope('depth', 'L')}): {along(depth, 'L', 'MoE layers')}")
+    trained_depth = sft_depth(df)
+    if len(trained_depth):
+        lines.append(f"- depth, 400-step SFT ({slope('depth_sft', 'L')}): {along(trained_depth, 'L', 'MoE layers')}")
+    lines.append(f"- top-k {slope('topk', 'k')}; expert count {slope('experts', 'E')}; width, random init "
+                 f"{slope('width', 'H')} (hidden {', '.join(str(int(h)) for h in ladder(df, 'width').H)})")
+    trained_width = sft_width(df)
+    if len(trained_width):
+        se = math.sqrt(fitted["width_sft"]["cov"][1][1]) if "width_sft" in fitted else float("nan")
+        lines.append(f"- width, 400-step SFT ({slope('width_sft', 'H')} ± {se:.2f} s.e.): "
+                     f"{along(trained_width, 'H', 'hidden')}")
+    e05 = [point_row(df, f"state_exp05_{s}") for s in ("random", "warm", "grpo30")]
+    if all(r is not None for r in e05):
+        lines.append("- router state at experiment 05's geometry: " + ", ".join(
+            f"{name} {pct(r.share)}" for name, r in zip(("random init", "its warm start", "after 30 GRPO steps"), e05)))
+    pairs = [(point_row(df, "qwen3_base_L48_E128_k8_h64"), point_row(df, "qwen3_base_L48_E128_k8_h64_seed1")),
+             (point_row(df, "state_qwen3_warm400"), point_row(df, "state_qwen3_warm400_seed1"))]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if pairs:
+        lines.append("- replicates (another init or sampling seed): " + "; ".join(
+            f"{a.point} {pct(a.share, a.share_lo, a.share_hi)} vs {pct(b.share, b.share_lo, b.share_hi)}, k3 "
+            f"{a.k3:.1e} vs {b.k3:.1e}" for a, b in pairs))
+    bf = df[df.rollout == "bf16"]
+    if len(bf):
+        def worst(sel) -> str:
+            if sel.empty:
+                return "n/a"
+            r = sel.loc[(sel.independence - sel.share).abs().idxmax()]
+            return f"{100 * (r.independence - r.share):+.1f} points ({r.point}: {pct(r.share)} measured, {pct(r.independence)} predicted)"
+
+        qwen = bf[bf.family == "qwen3_moe"]
+        lines.append("- independence 1 − ∏(1 − p_l) minus the measured share, largest: random-init Qwen3-MoE "
+                     f"{worst(qwen[qwen.state == 'random'])}; trained Qwen3-MoE {worst(qwen[qwen.state != 'random'])}; "
+                     f"sigmoid-routed (DeepSeek-V3 family) {worst(bf[bf.family == 'deepseek_v3'])}")
+    cut = [r for r in (*sft, *e05[1:]) if r is not None]
+    if cut:
+        lines.append("- R3's paired k3 cut (native / R3 [95 % interval over sequences]): " + "; ".join(
+            f"{r.point} {r.k3_ratio:.1f}× [{r.k3_ratio_lo:.1f}, {r.k3_ratio_hi:.1f}]" for r in cut))
+    fp8 = [(point_row(df, r.point), r) for _, r in df[df.rollout == "fp8"].iterrows()]
+    fp8 = [(b, f) for b, f in fp8 if b is not None]
+    if fp8:
+        ratios = [f.p_mean / b.p_mean for b, f in fp8]
+        lines.append(f"- an fp8 rollout's mean p_l ÷ bf16's at the same point: {min(ratios):.1f}–{max(ratios):.1f}× "
+                     f"({len(fp8)} points)")
+    gpu_dir = Path(geometry) / "gpu" if geometry is not None else None
+    if gpu_dir is not None and any(gpu_dir.glob("gpu_*.json")):
+        gpu = load_points(gpu_dir, pattern="gpu_*.json")
+        gpu = gpu[gpu.rollout == "bf16"]
+        ref = gpu_reference_point(gpu)
+        lines.append(f"- GPU, trained routers (hidden {int(gpu.H.min())}–{int(gpu.H.max())}, SFT "
+                     f"{', '.join(f'{s:.0f}' for s in sorted(gpu.sft_steps.unique()))} steps): "
+                     f"{pct(gpu.share.min())}–{pct(gpu.share.max())}; at hidden {int(ref.H)}: " + ", ".join(
+                         f"after {r.sft_steps:.0f} SFT steps {pct(r.share, r.share_lo, r.share_hi)}"
+                         for _, r in default_sft(gpu[gpu.H == ref.H]).sort_values("sft_steps", ascending=False).iterrows()))
+    return lines
+
+
+def timing_line(geometry: str | Path) -> str:
+    """How long the CPU points took, from each point JSON's ``seconds_total`` (SFT and measurement, one thread)."""
+    import numpy as np
+
+    seconds = {}
+    for path in sorted(Path(geometry).glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "seconds_total" in data:
+            seconds[path.stem] = data["seconds_total"]
+    if not seconds:
+        return f"No point JSON under {geometry} records its time."
+    kimi = seconds.get("cluster_kimi_k2")
+    slowest = sorted(seconds, key=seconds.get)[-2:]
+    return (f"Time per CPU point (`seconds_total`, one thread, SFT included): median {np.median(list(seconds.values())):.0f} s "
+            f"over {len(seconds)} points" + (f"; the Kimi-K2 geometry {kimi:.0f} s" if kimi else "")
+            + "; longest " + ", ".join(f"`{p}` {seconds[p] / 60:.0f} min" for p in reversed(slowest)) + ".")
+
+
 def gpu_width_lines(geometry) -> list[str]:
     """The GPU width points (scripts/gpu_width_geometry.py) beside the CPU's trained point at the same
     geometry, so the width trend, the SFT length's and the device's effects read from one table; then

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,6 +123,25 @@ def section_00(runs_root: Path) -> str:
     return "\n".join(lines)
 
 
+def section_00_setup(results: Path) -> str:
+    """Experiment 00's model size and warm start, read from the cached warm start its config names."""
+    import json
+
+    from safetensors import safe_open
+
+    from moerl.config import load_config
+    from moerl.trainer.warm_start import warm_start_key
+
+    cfg = load_config(REPO / "experiments/00_tiny_moe_cpu/arms/baseline.yaml", [])
+    path = results / "warm_start" / warm_start_key(cfg)
+    meta = json.loads((path / "meta.json").read_text())
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as weights:
+        params = sum(int(np.prod(weights.get_slice(name).get_shape())) for name in weights.keys())
+    acc = meta["test_accuracy"]
+    return (f"{params / 1e6:.1f} M parameters; warm start `{meta['key']}` ({meta['steps']} SFT steps): held-out "
+            f"pass@1 {100 * acc['pass1']:.1f} % at T = 1, greedy {100 * acc['greedy']:.1f} %.")
+
+
 # -- experiment 05 ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # three sections read the same runs; cleared at each main()
 def _runs_05(runs_root: Path):
@@ -152,8 +172,6 @@ def section_05_facts(runs_root: Path) -> str:
     """claims.facts_markdown, and the grid's budget: its sweeps' wall time (sweep.json) and each run's own
     logged step and evaluation times."""
     import json
-
-    import numpy as np
 
     from moerl.analysis import claims
     from moerl.tracking import logged_seconds, read_metrics
@@ -408,6 +426,7 @@ def section_07_grid_facts(runs_root: Path, rung: str) -> str:
 SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
+    "00_setup": (["experiments/00_tiny_moe_cpu/README.md"], section_00_setup),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
     "05_claims": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_claims(results / "runs")),
     "05_facts": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_facts(results / "runs")),

@@ -142,6 +142,49 @@ def section_00_setup(results: Path) -> str:
             f"pass@1 {100 * acc['pass1']:.1f} % at T = 1, greedy {100 * acc['greedy']:.1f} %.")
 
 
+# -- the rollout kernels (docs/rollout_kernels.md) ---------------------------------------------------
+def section_kernels_fidelity(results: Path) -> str:
+    """scripts/kernel_fidelity.py's own table (results/kernels/fidelity.md), verbatim."""
+    return (results / "kernels" / "fidelity.md").read_text().strip()
+
+
+def section_kernels_speed(results: Path) -> str:
+    """benchmarks/bench_kernels.py's medians (results/kernels/bench_kernels.json): native against emulated
+    bf16, the fp32 trainer as the floor, per ISA."""
+    import json
+
+    bench = json.loads((results / "kernels" / "bench_kernels.json").read_text())
+    lines = ["| ISA | rollout native → emulated (fp32 floor) | ratio | GRPO step native → emulated (fp32 floor) | ratio |",
+             "|---|---|---|---|---|"]
+    for r in bench["results"]:
+        m = r["medians"]
+        cells = []
+        for key in ("time/rollout", "time/wall"):
+            cells += [f"{m['native'][key]:.3f} → {m['emulated'][key]:.3f} s ({m['fp32'][key]:.3f})",
+                      f"{m['native'][key] / m['emulated'][key]:.2f}×"]
+        lines.append(f"| {'AVX2 cap' if r['isa'] == 'AVX2' else 'this CPU (' + r['isa'] + ')'} | {' | '.join(cells)} |")
+    return "\n".join(lines + ["", f"{bench['results'][0]['rounds']} timed rounds per side, "
+                               f"{bench['results'][0]['threads']} thread, recorded {bench.get('when', '?')}."])
+
+
+def section_kernels_peer(results: Path) -> str:
+    """benchmarks/bench_peer.py at one thread (results/peer/threads1*): moerl's step time over TRL's
+    GRPOTrainer per structure, as each recorded file states it, with the moerl step's rollout share."""
+    import json
+
+    lines = ["| recording | ISA | moerl / TRL, per structure | moerl's rollout / step (medians) | recorded |",
+             "|---|---|---|---|---|"]
+    for path in sorted((results / "peer").glob("threads1*/bench_peer.json")):
+        bench = json.loads(path.read_text())
+        ratios = ", ".join(f"{name} {v['ratio']:.2f}" for name, v in sorted(bench["structures"].items()))
+        phases = bench.get("moerl_phase_medians") or {}
+        share = (f"{phases['time/rollout']:.2f} of {phases['time/step']:.2f} s"
+                 if "time/rollout" in phases and "time/step" in phases else "—")
+        isa = "AVX2 cap" if "avx2" in path.parent.name else "this CPU"
+        lines.append(f"| `{path.parent.name}` | {isa} | {ratios} | {share} | {bench.get('when', '?')} |")
+    return "\n".join(lines)
+
+
 # -- experiment 05 ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # three sections read the same runs; cleared at each main()
 def _runs_05(runs_root: Path):
@@ -427,6 +470,9 @@ SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "00_setup": (["experiments/00_tiny_moe_cpu/README.md"], section_00_setup),
+    "kernels_fidelity": (["docs/rollout_kernels.md"], section_kernels_fidelity),
+    "kernels_speed": (["docs/rollout_kernels.md"], section_kernels_speed),
+    "kernels_peer": (["docs/rollout_kernels.md"], section_kernels_peer),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
     "05_claims": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_claims(results / "runs")),
     "05_facts": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_facts(results / "runs")),

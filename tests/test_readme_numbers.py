@@ -140,3 +140,70 @@ def test_the_front_page_still_fits_once_every_registered_grid_is_complete(monkey
     start, stop = text.index(begin) + len(begin), text.index(end)
     projected = text[:start] + "\n" + numbers.section_07_headline(Path("unused")) + "\n" + text[stop:]
     assert len(projected.encode()) <= numbers.FRONT_PAGE_LIMIT, len(projected.encode())
+
+
+# Numbers an experiment README's prose may state without a generated section: settings and expectations
+# written before the runs, each named with why. Any other number in the prose must appear in one of the
+# README's generated sections or in the experiment's own config files (base.yaml, arms, analysis.yaml).
+PROSE_CONSTANTS = {
+    "00_tiny_moe_cpu": {"1.2e-4", "1e-3", "1e-12", "0.3", "25×", "35 %"},  # the expectations, stated before the runs
+    "05_mismatch_consequences": {"2.13",  # the torch build
+                                 "3e-3",  # the earlier pilot's learning rate
+                                 "0.97", "1.03"},  # experiment 00's MIS band
+    "06_routing_geometry": {"99 %",  # "99 % or more": the fits table's random-init column, generated below it
+                            "1.5",  # a threshold τ of F(τ)
+                            "2.446", "2.5", "2.827",  # the routed scaling factors of the published configs
+                            "0.02",  # the init std
+                            "70 %", "5.4"},  # the GPU memory plan (tests/analysis/test_gpu_width_geometry.py)
+    "07_dose_threshold": {"5.5"},  # the main grid's time plan, written before it ran
+}
+PROSE_NUMBER = re.compile(r"(?<![\w.^])[-+−]?\d+(?:\.\d+)?(?:e-?\d+)?(?: ?%|×)?")
+
+
+def _values(text: str) -> set[float]:
+    out = set()
+    for m in PROSE_NUMBER.findall(text):
+        t = m.replace("−", "-").replace(" ", "").rstrip("×")
+        scale = 0.01 if t.endswith("%") else 1.0
+        try:
+            v = abs(float(t.rstrip("%")))
+        except ValueError:
+            continue
+        out |= {round(v, 12), round(v * scale, 12)}
+    return out
+
+
+def prose_numbers_without_a_source(readme: Path) -> list[str]:
+    """The measured-looking numbers (a decimal point, %, × or an exponent) in a README's prose that neither
+    a generated section of it nor the experiment's config files contain."""
+    text = readme.read_text()
+    generated = "\n".join(re.findall(r"<!-- generated:\S+ begin.*?-->(.*?)<!-- generated:\S+ end -->", text, re.S))
+    prose = re.sub(r"<!-- generated:\S+ begin.*?<!-- generated:\S+ end -->", "", text, flags=re.S)
+    prose = re.sub(r"```.*?```", "", prose, flags=re.S)
+    prose = re.sub(r"`[^`]*`|arXiv \d+\.\d+|\]\([^)]*\)", "", prose)  # code, paper ids, link targets
+    known = _values(generated) | _values("".join(f.read_text() for f in readme.parent.rglob("*.yaml")))
+    allowed = PROSE_CONSTANTS.get(readme.parent.name, set()) | {"95 %", "80 %"}  # interval and power levels
+    stray = []
+    for line in prose.splitlines():
+        for m in PROSE_NUMBER.findall(line):
+            if not any(c in m for c in ".%×e") or m.strip() in allowed:
+                continue
+            if not _values(m) & known:
+                stray.append(f"{m!r} in: {line.strip()[:90]}")
+    return stray
+
+
+@pytest.mark.parametrize("experiment", sorted(PROSE_CONSTANTS))
+def test_an_experiment_readmes_prose_cites_numbers_it_does_not_type(experiment):
+    stray = prose_numbers_without_a_source(REPO / "experiments" / experiment / "README.md")
+    assert stray == [], ("numbers typed into the prose (put them in a generated section, or name a "
+                         "constant in PROSE_CONSTANTS with why):\n  " + "\n  ".join(stray))
+
+
+def test_a_measured_number_typed_into_the_prose_is_caught(tmp_path):
+    readme = tmp_path / "07_dose_threshold" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text("<!-- generated:x begin (w) -->\ngain +0.106\n<!-- generated:x end -->\n"
+                      "The control gains +0.106 (cited) and R3 ends 0.37 below it; `lr 3e-4` is code.\n")
+    stray = prose_numbers_without_a_source(readme)  # +0.106 is cited from the section, 3e-4 is code
+    assert len(stray) == 1 and stray[0].startswith("'0.37' in: The control gains +0.106")

@@ -14,7 +14,7 @@ import numpy as np
 
 from moerl.analysis.dose import (ACTS_ON_PREREGISTERED, CONTROL_GAIN, GEO_MIS, TIS_REWEIGHTED, _values,
                                  mismatch_order, regime)
-from moerl.analysis.dose_report import by_seed, fmt, ladder_rows, pre_collapse_ratios
+from moerl.analysis.dose_report import by_seed, dose_order, fmt, ladder_rows, pre_collapse_ratios
 from moerl.analysis.verdicts import EARLY_LATE_WINDOW
 from moerl.tracking import read_metrics
 
@@ -192,6 +192,9 @@ def ladder_facts(runs: list[dict]) -> str:
         lines.append("- no collapse: " + ", ".join(
             f"{r} gains {_gain(ladder[r]):+.3f} (grad-norm max {ladder[r]['grad_norm_max']:.1f})" for r in standing)
             + f"; the control's seed 0 gains {_gain(control):+.3f}")
+    order_line = dose_order(ladder)
+    if order_line:
+        lines.append(f"- {order_line[0].lower()}{order_line[1:]}")
     return "\n".join(lines)
 
 

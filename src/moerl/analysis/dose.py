@@ -96,7 +96,8 @@ MATCH_SIDED_FIRST = registered("match_margin", first_written=True)["sided"]  # "
 REGIME_GATED = ("threshold", "collapses", "like_control", "prevents_collapse")
 
 
-def _values(rows: list[dict], key: str) -> np.ndarray:
+def metric_values(rows: list[dict], key: str) -> np.ndarray:
+    """The numeric values of ``key`` over metrics rows (TIS_REWEIGHTED: both tails of ρ, summed per step)."""
     if key == TIS_REWEIGHTED:  # derived per step from the two tails every run logs
         return np.array([r["is/below_frac"] + r["is/above_frac"] for r in rows
                          if isinstance(r.get("is/below_frac"), (int, float))
@@ -111,17 +112,17 @@ def run_summary(rows: list[dict]) -> dict:
     evals = [r for r in rows if "eval/pass1" in r]
     if not train:
         return {"steps": 0}
-    reward = _values(train, "reward/mean")
-    k3 = _values(train, "mismatch/k3")
-    grad = _values(train, "grad_norm")
+    reward = metric_values(train, "reward/mean")
+    k3 = metric_values(train, "mismatch/k3")
+    grad = metric_values(train, "grad_norm")
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
 
     def median(key):
-        v = _values(train, key)
+        v = metric_values(train, key)
         return float(np.nanmedian(v)) if v.size else None
 
     def mean(key):
-        v = _values(train, key)
+        v = metric_values(train, key)
         return float(np.nanmean(v)) if v.size else None
 
     return {"steps": len(train), "k3_median": median("mismatch/k3"),

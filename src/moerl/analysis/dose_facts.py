@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moerl.analysis.dose import (ACTS_ON_PREREGISTERED, CONTROL_GAIN, GEO_MIS, TIS_REWEIGHTED, _values,
+from moerl.analysis.dose import (ACTS_ON_PREREGISTERED, CONTROL_GAIN, GEO_MIS, TIS_REWEIGHTED, metric_values,
                                  mismatch_order, regime)
 from moerl.analysis.dose_report import by_seed, dose_order, fmt, ladder_rows, pre_collapse_ratios
 from moerl.analysis.verdicts import EARLY_LATE_WINDOW
@@ -33,9 +33,15 @@ def _rows(run: dict) -> list[dict]:
 
 def _window_mean(run: dict, key: str, which: str) -> float | None:
     """Mean of ``key`` over a run's first or last EARLY_LATE_WINDOW training steps."""
-    v = _values(_rows(run), key)
+    v = metric_values(_rows(run), key)
     part = v[:EARLY_LATE_WINDOW] if which == "early" else v[-EARLY_LATE_WINDOW:]
     return float(np.nanmean(part)) if part.size else None
+
+
+def _early_to_late(runs: dict[int, dict], key: str, show) -> str:
+    """Per seed: ``key``'s mean over the first and the last EARLY_LATE_WINDOW steps, 'a → b', comma-separated."""
+    return ", ".join(f"{show(_window_mean(runs[s], key, 'early'))} → {show(_window_mean(runs[s], key, 'late'))}"
+                     for s in sorted(runs))
 
 
 def _span(values, spec: str = ".3f", sign: bool = False) -> str:
@@ -149,16 +155,16 @@ def control_facts(runs: list[dict], reevaluated: dict | None = None) -> str:
         seeds = reevaluated["seeds"]
         again = [seeds[k]["remeasured"]["gain"] for k in sorted(seeds)]
         se = max(seeds[k]["remeasured"]["gain_se"] for k in seeds)
+        short = [int(k.removeprefix("seed")) for k in sorted(seeds) if seeds[k]["remeasured"]["gain"] < CONTROL_GAIN]
         lines.append(f"Re-measured with {reevaluated['samples']} completions per problem (reevaluate_control.py, "
                      f"supplementary): gains {', '.join(f'{g:+.3f}' for g in again)} (± {se:.3f}, binomial), mean "
-                     f"{np.mean(again):+.3f}; below +{CONTROL_GAIN:.2f} in seeds "
-                     f"{[int(k.removeprefix('seed')) for k in sorted(seeds) if seeds[k]['remeasured']['gain'] < CONTROL_GAIN] or 'none'}.")
+                     f"{np.mean(again):+.3f}; below +{CONTROL_GAIN:.2f} in " + (f"seeds {short}." if short else "no seed."))
     return "\n".join(lines)
 
 
 def _k3_windows(run: dict, at: int = 100) -> tuple[float, float, float]:
     """25-step medians of the per-step k3: the first window, the window ending at step ``at``, the last."""
-    k3 = _values(_rows(run), "mismatch/k3")
+    k3 = metric_values(_rows(run), "mismatch/k3")
     w = K3_WINDOW
     return float(np.median(k3[:w])), float(np.median(k3[at - w:at])), float(np.median(k3[-w:]))
 
@@ -213,23 +219,19 @@ def grid_facts(runs: list[dict], rung: str) -> str:
              f"{', '.join(f'{_gain(base[s]):+.3f}' for s in sorted(base))}; grad-norm max "
              f"{', '.join(format(base[s]['grad_norm_max'], '.0f') for s in sorted(base))}; k3 late / early "
              f"{EARLY_LATE_WINDOW} steps {_span([base[s]['k3_growth'] for s in base], '.1f')}×; {tail}, first → last "
-             f"{EARLY_LATE_WINDOW} steps: " + ", ".join(
-                 f"{_pct(_window_mean(base[s], TIS_REWEIGHTED, 'early'))} → {_pct(_window_mean(base[s], TIS_REWEIGHTED, 'late'))}"
-                 for s in sorted(base)),
+             f"{EARLY_LATE_WINDOW} steps: {_early_to_late(base, TIS_REWEIGHTED, _pct)}",
              f"- control (seeds {sorted(control)}): gains {', '.join(f'{_gain(control[s]):+.3f}' for s in sorted(control))}; "
              f"grad-norm max ≤ {max(c['grad_norm_max'] for c in control.values()):.1f}"]
     tis = by_seed(runs, "tis", rung)
     if tis:
         capped = ACTS_ON_PREREGISTERED["tis"]
-        lines.append(f"- tis: {tail}, first → last {EARLY_LATE_WINDOW} steps: " + ", ".join(
-            f"{_pct(_window_mean(tis[s], TIS_REWEIGHTED, 'early'))} → {_pct(_window_mean(tis[s], TIS_REWEIGHTED, 'late'))}"
-            for s in sorted(tis)) + f"; capped (`{capped}`, the pre-registered measure): "
+        lines.append(f"- tis: {tail}, first → last {EARLY_LATE_WINDOW} steps: {_early_to_late(tis, TIS_REWEIGHTED, _pct)}"
+                     f"; capped (`{capped}`, the pre-registered measure): "
             + _span([tis[s]["acts_on"][capped] for s in tis], ".2%").replace("%", " %"))
     mis = by_seed(runs, GEO_MIS, rung)
     if mis:
-        lines.append(f"- {GEO_MIS}: tokens keeping a gradient, first → last {EARLY_LATE_WINDOW} steps: " + ", ".join(
-            f"{_window_mean(mis[s], 'effective/token_frac', 'early'):.3f} → "
-            f"{_window_mean(mis[s], 'effective/token_frac', 'late'):.3f}" for s in sorted(mis)))
+        lines.append(f"- {GEO_MIS}: tokens keeping a gradient, first → last {EARLY_LATE_WINDOW} steps: "
+                     + _early_to_late(mis, "effective/token_frac", lambda x: f"{x:.3f}"))
     r3 = by_seed(runs, "r3", rung)
     if r3:
         whole = [r3[s]["k3_median"] / base[s]["k3_median"] for s in sorted(set(r3) & set(base))]

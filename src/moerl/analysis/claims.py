@@ -332,7 +332,7 @@ def claim_r3(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:
                  "both presets; partly: on one; inconclusive: the seeds straddle half")
 
 
-PAPER_REROUTED = 0.94  # the R3 paper: share of tokens routed differently in >= 1 router without R3
+PAPER_REROUTED = 0.94  # the R3 paper (arXiv 2510.11370), Qwen3-30B-A3B: share of tokens routed differently in >= 1 router without R3
 
 
 def claim_rerouted(metrics: pd.DataFrame, runs: pd.DataFrame) -> Claim:

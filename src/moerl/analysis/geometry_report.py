@@ -32,9 +32,9 @@ import numpy as np
 import pandas as pd
 
 from moerl.models.geometry import GEOMETRIES, public_config, routing_structure
+from moerl.analysis.claims import PAPER_REROUTED as PAPER_SHARE  # the R3 paper's ~94 %, one constant for 05 and 06
 from moerl.analysis.routing_geometry import fit_loglinear
 
-PAPER_SHARE = 0.94  # R3 paper (arXiv 2510.11370), Qwen3-30B-A3B: ~94 % of tokens differ in >= 1 router
 BASE = {"L": 48, "E": 128, "k": 8, "H": 64}
 FACTORS = {"depth": "L", "experts": "E", "topk": "k", "width": "H"}
 LABELS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "moonlight_16b_a3b": "Moonlight-16B-A3B", "deepseek_v3": "DeepSeek-V3",

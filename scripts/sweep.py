@@ -371,7 +371,8 @@ def heartbeat_lines(running: list[Job], total: int, finished: list[Result], n_jo
         k3 = f"{k3:.2e}" if isinstance(k3, (int, float)) else "-"
         lines.append(f"[sweep {now}] {job.arm} seed{job.seed}: step {p['step']}/{job.steps or '?'}, "
                      f"reward {p['reward/mean']:.3f}, k3 {k3}, run ETA {_clock(eta)}")
-    done = [r for r in finished if r.rc == 0 and r.action != "warm_start"]
+    # a resumed run's time covers only the steps it had left, so only runs made whole set the pace
+    done = [r for r in finished if r.rc == 0 and r.action == "fresh"]
     per_run = (sum(r.seconds for r in done) / len(done)) if done else \
         (sum(run_lengths) / len(run_lengths) if run_lengths else None)
     queued = total - len(finished) - len(running)

@@ -346,6 +346,10 @@ def test_heartbeat_reports_each_running_run_and_the_sweep(tmp_path):
     assert lines[1].endswith("tis seed0: starting (no step logged yet)")
     # 2 queued runs of 600 s and 870 s left on the running ones, over 2 parallel slots
     assert lines[2].endswith("1/5 done, 2 running, 2 queued; 1:02:05 elapsed, sweep ETA about 0:17:15")
+    # a resumed run finished in 60 s: it covered only its last steps, so it does not set the pace
+    resumed = sweep.Result("baseline", 1, "resume", 0, 60.0, "log1")
+    lines = sweep.heartbeat_lines([job, starting], total=6, finished=[*done, resumed], n_jobs=2, elapsed=3725)
+    assert lines[2].endswith("2/6 done, 2 running, 2 queued; 1:02:05 elapsed, sweep ETA about 0:17:15")
 
 
 def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path, capsys):

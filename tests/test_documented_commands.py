@@ -91,3 +91,40 @@ def test_every_path_the_code_names_exists():
             if not (ROOT / name).exists():
                 missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, "paths that do not exist: " + "; ".join(missing)
+
+
+# A section a document points the reader to by its heading: (`docs/x.md`, "Heading"), section "Heading"
+# (in the same document) or the README's "Heading" section (the front page).
+SECTION_IN_FILE = re.compile(r"`([\w./-]+\.md)`,? \"([^\"]+)\"")
+SECTION_HERE = re.compile(r"section \"([^\"]+)\"")
+SECTION_FRONT = re.compile(r"README's \"([^\"]+)\" section")
+
+
+def _headings(path: Path) -> list[str]:
+    return [line.lstrip("#").strip().lower() for line in path.read_text().splitlines() if line.startswith("#")]
+
+
+def section_references(doc: Path) -> list[tuple[Path, str]]:
+    text = doc.read_text()
+    refs = [(doc, m.group(1)) for m in SECTION_HERE.finditer(text)]
+    refs += [(ROOT / "README.md", m.group(1)) for m in SECTION_FRONT.finditer(text)]
+    for m in SECTION_IN_FILE.finditer(text):
+        near, from_root = (doc.parent / m.group(1)).resolve(), ROOT / m.group(1)
+        refs.append((near if near.exists() else from_root, m.group(2)))
+    return refs
+
+
+@pytest.mark.parametrize("doc", [str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_section_a_document_points_to_exists(doc):
+    """A moved or renamed section leaves no pointer to nothing behind (the front page's long sections moved
+    to docs/ once, and a pointer to one of them stayed)."""
+    missing = [f"{target.relative_to(ROOT)}: \"{heading}\"" for target, heading in section_references(ROOT / doc)
+               if not target.exists() or not any(heading.lower() in h for h in _headings(target))]
+    assert not missing, f"{doc}: sections it points to that do not exist: {missing}"
+
+
+def test_a_pointer_to_a_moved_section_is_caught(tmp_path):
+    doc = tmp_path / "README.md"
+    doc.write_text("# Top\n## Run\nsee section \"Run\" and section \"Rollout kernels\"\n")
+    missing = [h for target, h in section_references(doc) if not any(h.lower() in x for x in _headings(target))]
+    assert missing == ["Rollout kernels"]

@@ -1,5 +1,6 @@
-"""Fill the generated sections of the README and the experiment READMEs from the recorded results, so
-no number there is typed by hand or goes stale.
+"""Fill the generated sections of the README, the experiment READMEs and docs/rollout_kernels.md from the
+recorded results, so no number there is typed by hand or goes stale: the prose around a section cites it
+(tests/test_readme_numbers.py holds the prose to that).
 
     python scripts/write_readme_numbers.py            # rewrite every generated section in place
     python scripts/write_readme_numbers.py --check    # exit 1 naming each section whose text differs
@@ -7,7 +8,8 @@ no number there is typed by hand or goes stale.
 A section is the text between ``<!-- generated:NAME begin (scripts/write_readme_numbers.py) -->`` and
 ``<!-- generated:NAME end -->``; everything outside the markers is prose and is left alone. Sources:
 results/runs/<experiment> (summaries, metrics, sweep.json) through moerl.analysis, results/geometry
-for 06. tests/test_readme_numbers.py runs --check, so a README that drifts from its results fails.
+for 06, results/pilots for the pilot tables, results/warm_start, results/kernels and results/peer.
+tests/test_readme_numbers.py runs --check, so a README that drifts from its results fails.
 """
 from __future__ import annotations
 

@@ -4,6 +4,10 @@
     python benchmarks/bench_geometry.py --geometry deepseek_v3 --experts-implementation batched_mm
     python benchmarks/bench_geometry.py --profile             # also the top operators of the rollout (torch profiler)
 
+Writes ``<out>/bench_geometry_<geometry>_h<hidden>.json`` (default out: results/bench/geometry): each phase's
+seconds, the pass's total against its budget, the machine and its load average while the pass ran (other
+work on the CPU slows it, so the load is part of the figure).
+
 A pass is what scripts/measure_geometry.py does per point and dtype: build the bf16 engine (emulated
 kernels, as experiment 06 pins), sample 8 prompts x 8 completions with routing capture, then the fp32
 trainer's forward routing natively and replaying the rollout's experts (R3). Runs on one thread; the
@@ -12,7 +16,10 @@ budget is 60 s per pass on one core of the 2-core CPU the experiment was sized f
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,18 +29,25 @@ from moerl.data.tokenizer import build_tokenizer
 from moerl.models.geometry import geometry_model_config
 from moerl.models.presets import build_model
 from moerl.analysis.routing_geometry import measure
+from moerl.tracking import atomic_write_text, machine_info
+
+BUDGET_SECONDS = 60.0  # per pass, on one core of the 2-core CPU experiment 06 was sized for
 
 
-def main() -> None:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="kimi_k2")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     ap.add_argument("--profile", action="store_true", help="profile a second rollout and print its top operators")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="results/bench/geometry", help="where the JSON goes")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = load_config("experiments/06_routing_geometry/base.yaml")
+    cfg = load_config(ROOT / "experiments/06_routing_geometry/base.yaml")
     width = {} if args.hidden == 64 else dict(hidden_size=args.hidden, moe_intermediate_size=args.hidden // 2,
                                                num_heads=args.hidden // 32, num_kv_heads=max(args.hidden // 64, 1))
     cfg.model = geometry_model_config(args.geometry, experts_implementation=args.experts_implementation, **width)
@@ -43,9 +57,11 @@ def main() -> None:
     model = build_model(cfg.model, tok, seed=0)
     build = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     r = measure(model, tok, cfg, rows, dtype="bf16", seed=0, resamples=2000)
     total = time.perf_counter() - start
+    load_after = os.getloadavg()[0]
     s = r["seconds"]
     stats = total - sum(s.values())
     tokens = r["all/tokens"]
@@ -59,8 +75,23 @@ def main() -> None:
                       ("trainer fp32, native routing", s["trainer_native"]),
                       ("trainer fp32, R3 replay", s["trainer_replay"]), ("statistics (bootstrap)", stats)):
         print(f"  {name:40s} {sec:7.2f} s  {100 * sec / total:5.1f} %")
-    print(f"  measurement pass                         {total:7.2f} s  (budget 60 s: "
-          f"{'within' if total <= 60 else 'OVER'})")
+    print(f"  measurement pass                         {total:7.2f} s  (budget {BUDGET_SECONDS:.0f} s: "
+          f"{'within' if total <= BUDGET_SECONDS else 'OVER'}; 1-minute load average {load_before:.1f} → "
+          f"{load_after:.1f})")
+    phases = {"engine_build": s["engine_build"], "rollout": s["rollout"], "trainer_native": s["trainer_native"],
+              "trainer_replay": s["trainer_replay"], "statistics": stats}
+    out = Path(args.out) / f"bench_geometry_{args.geometry}_h{cfg.model.hidden_size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "geometry": args.geometry, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
+        "moe_layers": len(r["moe_layers"]), "experts": cfg.model.num_experts, "top_k": cfg.model.top_k,
+        "parameters": params, "experts_implementation": args.experts_implementation, "prompts": args.prompts,
+        "group_size": cfg.rollout.group_size, "routed_positions": tokens, "seconds": phases, "pass_seconds": total,
+        "budget_seconds": BUDGET_SECONDS, "within_budget": total <= BUDGET_SECONDS,
+        "load_average_1min": [load_before, load_after], "machine": machine_info(),
+        "when": time.strftime("%Y-%m-%d %H:%M")}
+    atomic_write_text(out, json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
     if args.profile:
         from moerl.rollout.hf import HFEngine
 
@@ -68,6 +99,7 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.generate([q["question"] for q in rows], [q["answer"] for q in rows], cfg.rollout.group_size, seed=0)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return record
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ match too with --bitwise. The re-run uses the recorded
 run's thread count (in fp32 it sets the reduction order, so it is part of what is reproduced).
 Exits 0 when reproduced, 1 naming the first differing step and key otherwise.
 
+    python scripts/check_reproducible.py --arm baseline --steps 0 --run results/reproduce/00_tiny_moe_cpu/baseline/seed0
+
+``--run`` compares a run that already exists (``scripts/reproduce.sh`` does this for each of its arms) instead
+of re-running; a run made with another thread count than the recorded one is expected to differ, and the
+report says so.
+
 Why fp32: bf16 kernels differ between CPUs (AVX512-BF16 / AMX or not), so a bf16 arm is expected to
 differ across machines in its last bits, and those bits grow over a run; an fp32 run goes through
 kernels whose results this check pins down. A difference in an fp32 arm means the code, the
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps to re-run and compare (0 = all)")
     ap.add_argument("--recorded", default=str(REPO / "results" / "runs"))
     ap.add_argument("--experiment", default=str(REPO / "experiments" / "00_tiny_moe_cpu"))
+    ap.add_argument("--run", default=None,
+                    help="compare this existing run directory with the recorded one instead of re-running")
     ap.add_argument("--bitwise", action="store_true",
                     help="fail on any difference, float statistics included (expected to pass on the recording machine)")
     args = ap.parse_args(argv)
@@ -105,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     recorded_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
     # fp32 results depend on the thread count (it sets the reduction order): re-run with the recorded one.
     threads = recorded_cfg.get("threads")
+    if args.run:
+        fresh = read_metrics(Path(args.run) / "metrics.jsonl")
+        if not fresh:
+            sys.exit(f"check_reproducible: no run at {args.run} (expected metrics.jsonl)")
+        run_cfg = yaml.safe_load((Path(args.run) / "config.yaml").read_text()) if (Path(args.run) / "config.yaml").exists() else {}
+        ran_with = run_cfg.get("threads") or _threads_of(Path(args.run))
+        if threads and ran_with and int(ran_with) != int(threads):
+            print(f"note: {args.run} ran on {ran_with} thread(s), the recorded run on {threads}: in fp32 the thread "
+                  "count sets the reduction order, so the two are expected to differ", flush=True)
+        return report(recorded, fresh, run, args.steps, args.bitwise)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"tracking.output_dir={tmp}", "tracking.wandb_mode=disabled", "tracking.progress_bar=false",
                      *name_overrides, *recorded_settings(recorded_cfg)]
@@ -122,15 +140,32 @@ def main(argv: list[str] | None = None) -> int:
         if not fresh_files:
             sys.exit(f"check_reproducible: the re-run wrote no metrics.jsonl under {tmp}")
         fresh = read_metrics(fresh_files[0])
-    diffs = compare(recorded, fresh, max_step=args.steps or None)
-    compared = sum(1 for r in recorded if not args.steps or int(r["step"]) <= args.steps)
+    return report(recorded, fresh, run, args.steps, args.bitwise)
+
+
+def _threads_of(run: Path) -> int | None:
+    """The threads a run's process used, from its machine.json (a config with ``threads: null`` took them from
+    $OMP_NUM_THREADS or the cores)."""
+    import json
+
+    try:
+        return json.loads((run / "machine.json").read_text()).get("torch_threads")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def report(recorded: list[dict], fresh: list[dict], run: Path, steps: int, bitwise: bool) -> int:
+    """Print whether ``fresh`` reproduces the recorded run (the trajectory, then the float statistics) and
+    return the exit code."""
+    diffs = compare(recorded, fresh, max_step=steps or None)
+    compared = sum(1 for r in recorded if not steps or int(r["step"]) <= steps)
     path_diffs = [d for d in diffs if is_trajectory(d.split("'")[1] if "'" in d else "")]
     path_diffs += [d for d in diffs if "'" not in d]  # a missing row
     if not diffs:
         print(f"reproduced bit for bit: {compared} recorded rows of {run} (every value except wall-clock times)")
         return 0
-    stats = float_deviation(recorded, fresh, args.steps or None)
-    if path_diffs or args.bitwise:
+    stats = float_deviation(recorded, fresh, steps or None)
+    if path_diffs or bitwise:
         what = "the trajectory differs" if path_diffs else "float statistics differ (--bitwise)"
         print(f"NOT reproduced ({what}): {len(diffs)} difference(s) in {compared} recorded rows of {run}; first:")
         print("  " + "\n  ".join((path_diffs or diffs)[:10]))

@@ -5,12 +5,15 @@
 #   - runs the arms below for one seed; finished runs are skipped, interrupted ones resumed
 #   - writes results/reproduce/00_tiny_moe_cpu/<arm>/seed0/ and results/reproduce/figures/*.png and
 #     prints a table (the recorded 3-seed ablation lives apart, in results/runs and results/figures)
+#   - compares each arm's run with the recorded seed-0 run (scripts/check_reproducible.py --run): one thread,
+#     as the recorded runs were made, reproduces them bit for bit (the emulated bf16 kernels are the same on
+#     every CPU; in fp32 the thread count sets the reduction order, so OMP_NUM_THREADS=2 gives another trajectory)
 # Usage: bash scripts/reproduce.sh [arm ...]     (default arms: baseline fp32_rollout r3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 bash scripts/setup_env.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PY=.venv/bin/python
 EXP=experiments/00_tiny_moe_cpu
 OUT=results/reproduce
@@ -37,4 +40,8 @@ for arm in "${ARMS[@]}"; do
 done
 $PY scripts/make_figures.py --runs $OUT --out $OUT/figures
 $PY scripts/compare_runs.py $OUT/00_tiny_moe_cpu "${ARMS[@]}"
+for arm in "${ARMS[@]}"; do
+  echo "[reproduce] $arm against the recorded run:"
+  $PY scripts/check_reproducible.py --arm "$arm" --steps 0 --run "$OUT/00_tiny_moe_cpu/$arm/seed0" || true
+done
 echo "[reproduce] done in $(( $(date +%s) - start )) s"

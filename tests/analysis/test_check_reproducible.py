@@ -62,3 +62,29 @@ def test_check_other_cpu_refuses_an_unknown_part_before_running_anything(tmp_pat
     script = REPO / "scripts" / "check_other_cpu.sh"
     proc = subprocess.run(["bash", str(script), "--only", "everything"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--only takes reproduce or speed, not 'everything'" in proc.stderr
+
+
+def _write_run(path, rows, threads):
+    import json
+
+    import yaml
+
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "config.yaml").write_text(yaml.safe_dump({"arm": "fp32_rollout", "threads": threads}))
+
+
+def test_an_existing_run_is_compared_without_rerunning_and_a_thread_count_change_is_named(tmp_path, capsys):
+    recorded = tmp_path / "recorded" / "00_tiny_moe_cpu" / "fp32_rollout" / "seed0"
+    _write_run(recorded, RECORDED, threads=1)
+    same = tmp_path / "same"
+    _write_run(same, [{**r, "time/step": 7.0} if "time/step" in r else r for r in RECORDED], threads=1)
+    argv = ["--arm", "fp32_rollout", "--steps", "0", "--recorded", str(tmp_path / "recorded"),
+            "--experiment", str(REPO / "experiments" / "00_tiny_moe_cpu")]
+    assert check.main([*argv, "--run", str(same)]) == 0
+    assert "reproduced bit for bit: 3 recorded rows" in capsys.readouterr().out
+    other = tmp_path / "two_threads"
+    _write_run(other, [RECORDED[0], RECORDED[1], {**RECORDED[2], "reward/mean": 0.45}], threads=2)
+    assert check.main([*argv, "--run", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "ran on 2 thread(s), the recorded run on 1" in out and "NOT reproduced (the trajectory differs)" in out

@@ -391,7 +391,8 @@ def main() -> None:
               "copy_bandwidth_2threads_Bps": statistics.median(big["copy_bandwidth_Bps"]["2"]),
               "checksum_Bps": sums, "per_tensor_overhead_s": per_tensor, "rounds": rounds, "targets": targets,
               "presets": rows, "drift": curves, "analytic": model, "analytic_bandwidth_Bps": nemo_bw,
-              "nemo_rl_dsv3_refit_seconds": {"before": 692.5, "v0.3": 47.2}}
+              "nemo_rl_dsv3_refit_seconds": {"before": 692.5, "v0.3": 47.2},
+              "when": time.strftime("%Y-%m-%d %H:%M")}
     (OUT / "bench_refit.json").write_text(json.dumps(result, indent=1))
     _plot(rows, curves, model)
     print(f"saved {OUT / 'bench_refit.json'} and {OUT / 'bench_refit.png'}")

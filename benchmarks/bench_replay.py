@@ -622,6 +622,7 @@ def main(argv=None) -> None:
         print("instruction counts under callgrind, one process per arm (~25 min each on a 2-core CPU):")
         counted = instructions(args.arm_config, args.warmup_steps, args.instructions_repeats, args.overrides,
                                out / "callgrind", reuse=args.instructions_reuse)
+        counted["when"] = time.strftime("%Y-%m-%d %H:%M")
         (out / "overhead.json").write_text(json.dumps({**previous, "instructions": counted}, indent=1))
         print(f"\nsaved {out / 'overhead.json'} (key 'instructions'; dumps and logs in {out / 'callgrind'})")
         return

@@ -1,4 +1,5 @@
-"""Fill the generated sections of the README, the experiment READMEs and docs/rollout_kernels.md from the
+"""Fill the generated sections of the README, the experiment READMEs, docs/rollout_kernels.md and
+docs/benchmarks.md from the
 recorded results, so no number there is typed by hand or goes stale: the prose around a section cites it
 (tests/test_readme_numbers.py holds the prose to that).
 
@@ -8,7 +9,8 @@ recorded results, so no number there is typed by hand or goes stale: the prose a
 A section is the text between ``<!-- generated:NAME begin (scripts/write_readme_numbers.py) -->`` and
 ``<!-- generated:NAME end -->``; everything outside the markers is prose and is left alone. Sources:
 results/runs/<experiment> (summaries, metrics, sweep.json) through moerl.analysis, results/geometry
-for 06, results/pilots for the pilot tables, results/warm_start, results/kernels and results/peer.
+for 06, results/pilots for the pilot tables, results/warm_start, results/kernels and results/peer, and the
+benchmarks' JSON files (results/step, results/refit, results/replay, results/bench).
 tests/test_readme_numbers.py runs --check, so a README that drifts from its results fails.
 """
 from __future__ import annotations
@@ -185,6 +187,14 @@ def section_kernels_peer(results: Path) -> str:
         isa = "AVX2 cap" if "avx2" in path.parent.name else "this CPU"
         lines.append(f"| `{path.parent.name}` | {isa} | {ratios} | {share} | {bench.get('when', '?')} |")
     return "\n".join(lines)
+
+
+# -- the benchmarks (docs/benchmarks.md) -------------------------------------------------------------
+def section_benchmarks(results: Path) -> str:
+    """Each benchmark's latest recorded figure from the JSON its script wrote (moerl.analysis.benchmark_records)."""
+    from moerl.analysis import benchmark_records
+
+    return benchmark_records.latest_table(results)
 
 
 # -- experiment 05 ---------------------------------------------------------------------------------
@@ -475,6 +485,7 @@ SECTIONS = {
     "kernels_fidelity": (["docs/rollout_kernels.md"], section_kernels_fidelity),
     "kernels_speed": (["docs/rollout_kernels.md"], section_kernels_speed),
     "kernels_peer": (["docs/rollout_kernels.md"], section_kernels_peer),
+    "benchmarks": (["docs/benchmarks.md"], section_benchmarks),
     "05": (["README.md"], lambda results: section_05(results / "runs")),
     "05_claims": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_claims(results / "runs")),
     "05_facts": (["experiments/05_mismatch_consequences/README.md"], lambda results: section_05_facts(results / "runs")),

@@ -352,9 +352,10 @@ def _clock(seconds: float | None) -> str:
 
 
 def heartbeat_lines(running: list[Job], total: int, finished: list[Result], n_jobs: int,
-                    elapsed: float) -> list[str]:
+                    elapsed: float, blind: bool = False) -> list[str]:
     """One line per running run (step k/N, reward, k3, the run's ETA) and one for the sweep: its ETA
-    from the runs finished so far (or, before any, from the running runs' pace)."""
+    from the runs finished so far (or, before any, from the running runs' pace). ``blind``: step and ETA
+    only, for a registered grid whose verdicts are sealed until its last run lands."""
     now = time.strftime("%H:%M:%S")
     lines, run_etas, run_lengths = [], [], []
     for job in running:
@@ -369,8 +370,9 @@ def heartbeat_lines(running: list[Job], total: int, finished: list[Result], n_jo
             run_lengths.append(p["seconds_per_step"] * job.steps)
         k3 = p.get("mismatch/k3")
         k3 = f"{k3:.2e}" if isinstance(k3, (int, float)) else "-"
+        outcome = "" if blind else f"reward {p['reward/mean']:.3f}, k3 {k3}, "
         lines.append(f"[sweep {now}] {job.arm} seed{job.seed}: step {p['step']}/{job.steps or '?'}, "
-                     f"reward {p['reward/mean']:.3f}, k3 {k3}, run ETA {_clock(eta)}")
+                     f"{outcome}run ETA {_clock(eta)}")
     # a resumed run's time covers only the steps it had left, so only runs made whole set the pace
     done = [r for r in finished if r.rc == 0 and r.action == "fresh"]
     per_run = (sum(r.seconds for r in done) / len(done)) if done else \
@@ -386,8 +388,10 @@ class Heartbeat:
     """Prints heartbeat_lines every ``every`` seconds while a runner works (0: never): a sweep of many
     hours says how far each run is instead of staying silent until a run ends."""
 
-    def __init__(self, every: float, running, total: int, finished: list[Result], n_jobs: int):
+    def __init__(self, every: float, running, total: int, finished: list[Result], n_jobs: int,
+                 blind: bool = False):
         self.every, self.running, self.total, self.finished, self.n_jobs = every, running, total, finished, n_jobs
+        self.blind = blind
         self.stop = threading.Event()
         self.start = time.perf_counter()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -396,7 +400,7 @@ class Heartbeat:
         while not self.stop.wait(self.every):
             try:
                 lines = heartbeat_lines(self.running(), self.total, list(self.finished), self.n_jobs,
-                                        time.perf_counter() - self.start)
+                                        time.perf_counter() - self.start, self.blind)
             except Exception as err:  # noqa: BLE001 - a progress line must never stop the sweep
                 lines = [f"[sweep] heartbeat skipped: {type(err).__name__}: {err}"]
             print("\n".join(lines), flush=True)
@@ -419,7 +423,7 @@ def _report(done: int, total: int, r: Result) -> None:
 
 
 def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0,
-              on_result: Callable[[Result], None] | None = None) -> list[Result]:
+              on_result: Callable[[Result], None] | None = None, blind: bool = False) -> list[Result]:
     """Run ``jobs``, ``n_jobs`` at a time; ``on_result`` is called with each result as it lands."""
     results: list[Result] = []
     futures = []
@@ -441,7 +445,7 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0,
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool, \
-                Heartbeat(heartbeat, running, len(jobs), results, n_jobs):
+                Heartbeat(heartbeat, running, len(jobs), results, n_jobs, blind):
             futures = [pool.submit(tracked, j) for j in jobs]
             for fut in as_completed(futures):
                 results.append(fut.result())
@@ -457,7 +461,7 @@ def run_local(jobs: list[Job], n_jobs: int, threads: int, heartbeat: float = 0,
 
 
 def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0,
-            on_result: Callable[[Result], None] | None = None) -> list[Result]:
+            on_result: Callable[[Result], None] | None = None, blind: bool = False) -> list[Result]:
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -480,7 +484,7 @@ def run_ray(jobs: list[Job], threads: int, heartbeat: float = 0,
                 out.append(j)
         return out
 
-    with Heartbeat(heartbeat, running, len(jobs), results, len(jobs)):
+    with Heartbeat(heartbeat, running, len(jobs), results, len(jobs), blind):
         _wait_ray(pending, results, len(jobs), on_result)
     if not address:
         ray.shutdown()
@@ -516,10 +520,12 @@ def run_outcome(run_dir: str) -> dict:
             "k3": summary.get("mean/mismatch/k3"), "pass1": pass1}
 
 
-def table(results: list[Result]) -> str:
-    """The summary table a sweep ends with: each run's status and time, and what it reached."""
-    lines = ["arm | seed | action | status | seconds | steps | reward (last 10) | k3 (run mean) | pass@1 start -> end",
-             "--- | --- | --- | --- | --- | --- | --- | --- | ---"]
+def table(results: list[Result], blind: bool = False) -> str:
+    """The summary table a sweep ends with: each run's status and time, and what it reached (``blind``:
+    status, time and steps only)."""
+    outcome = [] if blind else ["reward (last 10)", "k3 (run mean)", "pass@1 start -> end"]
+    header = ["arm", "seed", "action", "status", "seconds", "steps", *outcome]
+    lines = [" | ".join(header), " | ".join(["---"] * len(header))]
 
     def num(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) else "-"
@@ -530,9 +536,11 @@ def table(results: list[Result]) -> str:
             status = f"not started: its warm start failed ({r.log})"
         o = run_outcome(r.run_dir) if r.run_dir and r.action != "warm_start" else {}
         p0, p1 = o.get("pass1", [None, None])
-        lines.append(f"{r.arm} | {'-' if r.action == 'warm_start' else r.seed} | {r.action} | {status} | "
-                     f"{r.seconds:.0f} | {o.get('steps', '-')} | {num(o.get('reward'), '.3f')} | "
-                     f"{num(o.get('k3'), '.2e')} | {num(p0, '.3f')} -> {num(p1, '.3f')}")
+        cells = [r.arm, "-" if r.action == "warm_start" else str(r.seed), r.action, status, f"{r.seconds:.0f}",
+                 str(o.get("steps", "-"))]
+        if not blind:
+            cells += [num(o.get("reward"), ".3f"), num(o.get("k3"), ".2e"), f"{num(p0, '.3f')} -> {num(p1, '.3f')}"]
+        lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
@@ -659,6 +667,9 @@ def sweep(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-start-script", default=str(WARM_START_SCRIPT), help=argparse.SUPPRESS)
     ap.add_argument("--heartbeat", type=float, default=60,
                     help="seconds between progress lines (step, reward, k3, ETA of each running run); 0: none")
+    ap.add_argument("--blind", action="store_true",
+                    help="a registered grid whose verdicts are sealed until its last run lands: progress lines "
+                         "and the closing table show steps and times, never reward, k3 or pass@1")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = ap.parse_intermixed_args(argv)
@@ -702,8 +713,8 @@ def sweep(argv: list[str] | None = None) -> int:
     record = InvocationRecord(out_dir, {"started": started_at, "jobs": n_jobs, "threads_per_job": threads,
                                         "cores": cores, "ray": args.ray, "git_sha": git_sha(), "seeds": seeds,
                                         "overrides": overrides})
-    runner = (lambda js, t: run_ray(js, t, args.heartbeat, record.add)) if args.ray else \
-        (lambda js, t: run_local(js, n_jobs, t, args.heartbeat, record.add))
+    runner = (lambda js, t: run_ray(js, t, args.heartbeat, record.add, args.blind)) if args.ray else \
+        (lambda js, t: run_local(js, n_jobs, t, args.heartbeat, record.add, args.blind))
     # SIGTERM/SIGINT stop the runs, resumable (under Ray, Ray owns the processes of its tasks)
     with signal_handlers_restored(None if args.ray else _stop_on_signal):
         ran = runner(warm, warm_threads) if warm else []
@@ -721,7 +732,7 @@ def sweep(argv: list[str] | None = None) -> int:
     skipped = [Result(j.arm, j.seed, "skip", None, 0.0, j.log, j.run_dir) for j in jobs if j.action == "skip"]
     results = ran + skipped
     path = record.finish(skipped)
-    print(table(results))
+    print(table(results, args.blind))
     failed = [r for r in results if r.rc not in (None, 0)]
     print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed; recorded in {path}")
     return 1 if failed else 0

@@ -7,7 +7,7 @@
 #                                                nvfp4 for 600 steps)
 #   launch.sh mechanism [key=value ...]          experts-only / attention-only / Kimi INT4 rungs, fake-INT4 trainer arms
 #   (confirm and mechanism run every run on the one path analysis.yaml's rollout_path names, and refuse while
-#    it is unset)
+#    it is unset; their sweeps run --blind: progress and closing tables without reward, k3 or pass@1)
 #   launch.sh ARM [--seed N] [key=value ...]     one run, e.g. launch.sh tis rollout.dtype=nvfp4
 #   launch.sh --smoke [ARM] [key=value ...]      two tiny steps (default: baseline at nvfp4), under 2 minutes
 # Runs go to runs/07_dose_threshold/ (gitignored); --record writes the recorded grid in results/runs
@@ -54,6 +54,8 @@ case "$ARM" in
       *pending*) echo "launch.sh $ARM: experiments/07_dose_threshold/analysis.yaml rollout_path is not set ($path); commit the fast path's fidelity check and name it there first" >&2; exit 2 ;;
     esac
     eval8="trainer.eval_samples=8"  # 2,048 completions per evaluation (analysis.yaml eval_completions)
+    # their verdicts are sealed until a grid's last run lands: the sweeps print steps and times, no outcome
+    overrides=(--blind "${overrides[@]+"${overrides[@]}"}")
     # Seed by seed, so that wherever a grid stops every arm (and every mechanism rung) has the same seeds
     # and the paired comparisons can be read; an interrupted run resumes before anything new starts.
     if [[ $ARM == confirm ]]; then

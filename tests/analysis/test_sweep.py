@@ -352,6 +352,28 @@ def test_heartbeat_reports_each_running_run_and_the_sweep(tmp_path):
     assert lines[2].endswith("2/6 done, 2 running, 2 queued; 1:02:05 elapsed, sweep ETA about 0:17:15")
 
 
+def test_a_blind_sweep_prints_progress_but_no_outcome(tmp_path):
+    """A registered grid's verdicts are sealed until its last run lands: its sweep's progress lines and
+    closing table name steps and times, never a reward, k3 or pass@1."""
+    run = tmp_path / "r3" / "seed1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "reward/mean": 0.625, "mismatch/k3": 3e-4,
+                                                   "time/step": 10.0}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 60, "reward_last10": 0.625, "mean/mismatch/k3": 3e-4,
+                                                  "initial_eval": {"eval/pass1": 0.25},
+                                                  "final_eval": {"eval/pass1": 0.375}}))
+    job = sweep.Job("r3", 1, "r3.yaml", str(run), "fresh", "log", steps=60)
+    seen = sweep.heartbeat_lines([job], total=1, finished=[], n_jobs=1, elapsed=60)[0]
+    blind = sweep.heartbeat_lines([job], total=1, finished=[], n_jobs=1, elapsed=60, blind=True)[0]
+    assert "reward 0.625" in seen and "k3 3.00e-04" in seen
+    assert blind.endswith("r3 seed1: step 4/60, run ETA 0:09:20") and "0.625" not in blind
+    done = [sweep.Result("r3", 1, "fresh", 0, 600.0, "log", str(run))]
+    assert "0.625" in sweep.table(done) and "0.375" in sweep.table(done)
+    header, _, row = sweep.table(done, blind=True).splitlines()
+    assert header == "arm | seed | action | status | seconds | steps"
+    assert row == "r3 | 1 | fresh | ok | 600 | 60"
+
+
 def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path, capsys):
     slow = tmp_path / "slow_run.py"
     slow.write_text(SLOW_RUN)

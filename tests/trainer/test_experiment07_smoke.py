@@ -134,6 +134,8 @@ def test_registered_grids_start_seed_by_seed(tmp_path):
     first = mechanism[:len(MECHANISM_RUNGS) + 1]
     assert [re.search(r"rollout\.dtype=(\w+)", line).group(1) for line in first[:-1]] == list(MECHANISM_RUNGS)
     assert all(arm in first[-1] for arm in QAT_ARMS)
+    # sealed until complete: no sweep of a registered grid prints an outcome while it runs
+    assert all(" --blind" in line for line in confirm + mechanism)
 
 
 def test_registered_mechanism_grid_names_configs_that_load():

@@ -31,3 +31,47 @@ def test_parse_cache_holds_a_batch_of_distinct_answers():
     again = [math_reward.__wrapped__(c, a) for c, a in zip(completions, answers)]
     assert again == first and sum(first) == 133
     assert math_verify.parser.parse_latex_cached.cache_info().misses == misses
+
+
+def test_an_answer_too_large_to_evaluate_earns_nothing_without_hanging():
+    """A collapsed policy wrote an answer like ``\\boxed{999^{99999999}}``: math-verify hands it to sympy,
+    which computes the power in full inside one C call (hours; no signal-based timeout interrupts it) and
+    the run hung. Each such answer now earns 0 at once; run in a child process so that a regression fails
+    here instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    huge = [r"\boxed{999^{99999999}}", r"\boxed{9^{9^{9}}}", r"\boxed{100000000!}", r"\boxed{2^{-99999999}}",
+            r"so the answer is \boxed{3 \cdot 7^{99999999} + 1}"]
+    code = ("import sys; from moerl.reward import batch_rewards; "
+            f"print(batch_rewards({huge!r}, ['5'] * {len(huge)}))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("math_reward did not return on an answer too large to evaluate") from None
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([0.0] * len(huge))
+
+
+def test_large_but_ordinary_answers_are_still_verified():
+    from moerl.reward import MAX_ANSWER_DIGITS, log10_magnitude, too_large_to_evaluate
+    from math_verify import parse
+
+    assert math_reward(r"\boxed{2^{100}}", str(2 ** 100)) == 1.0  # 31 digits, computed and compared
+    assert math_reward(r"\boxed{10^{3} \cdot 3}", "3000") == 1.0
+    assert math_reward(r"\boxed{1^{99999999}}", "1") == 1.0  # 1, 0 and -1 to any power cost nothing
+    assert math_reward(r"\boxed{(-1)^{99999999}}", "-1") == 1.0
+    # the bound: 7^5000 has 4,226 digits (evaluated), 7^50000 has 42,255 (not)
+    assert not too_large_to_evaluate(parse(r"\boxed{7^{5000}}", parsing_timeout=None))
+    assert too_large_to_evaluate(parse(r"\boxed{7^{50000}}", parsing_timeout=None))
+    assert abs(log10_magnitude(parse(r"\boxed{7^{5000}}", parsing_timeout=None)[0]) - len(str(7 ** 5000))) < 1
+    assert MAX_ANSWER_DIGITS >= 1000
+
+
+def test_every_answer_of_the_generated_data_is_far_below_the_bound():
+    from moerl.data.synthetic import arith_splits, worked_splits
+    from moerl.reward import MAX_ANSWER_DIGITS
+
+    for splits in (arith_splits(2000, 500, seed=0), worked_splits(2000, 500, seed=0)):
+        answers = [row["answer"] for split in splits for row in split]
+        assert max(len(a) for a in answers) < MAX_ANSWER_DIGITS / 100

@@ -320,10 +320,12 @@ def execute(job: Job, threads: int, cwd: str | Path | None = None) -> Result:
 
 
 def run_progress(run_dir: str | Path) -> dict | None:
-    """A run's latest training row (step, reward/mean, mismatch/k3) and its mean seconds per step, read
-    from the tail of its metrics.jsonl while it trains; None before its first step."""
+    """A run's latest training row (step, reward/mean, mismatch/k3), its mean seconds per step and the
+    seconds since its metrics.jsonl was last written, read from the file's tail while it trains; None
+    before its first step."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
+        silent = max(0.0, time.time() - path.stat().st_mtime)
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - (1 << 16)))
@@ -341,7 +343,22 @@ def run_progress(run_dir: str | Path) -> dict | None:
     if not rows:
         return None
     step_times = [r["time/step"] for r in rows if isinstance(r.get("time/step"), (int, float))]
-    return {**rows[-1], "seconds_per_step": sum(step_times) / len(step_times) if step_times else None}
+    return {**rows[-1], "seconds_per_step": sum(step_times) / len(step_times) if step_times else None,
+            "silent_seconds": silent}
+
+
+# A run that logs nothing for this many of its own steps (and at least STALL_MIN_SECONDS: an evaluation or
+# a checkpoint between two steps takes a while) is named in the heartbeat as possibly stalled: a run stuck
+# in one call otherwise shows the same step and ETA for as long as it hangs.
+STALL_STEPS, STALL_MIN_SECONDS = 50, 600.0
+
+
+def stall_note(progress: dict) -> str:
+    """'; nothing logged for 25 min (a step takes 3.2 s): stalled?' or ''."""
+    per_step, silent = progress.get("seconds_per_step"), progress.get("silent_seconds") or 0.0
+    if per_step is None or silent < max(STALL_STEPS * per_step, STALL_MIN_SECONDS):
+        return ""
+    return f"; nothing logged for {silent / 60:.0f} min (a step takes {per_step:.1f} s): stalled?"
 
 
 def _clock(seconds: float | None) -> str:
@@ -372,7 +389,7 @@ def heartbeat_lines(running: list[Job], total: int, finished: list[Result], n_jo
         k3 = f"{k3:.2e}" if isinstance(k3, (int, float)) else "-"
         outcome = "" if blind else f"reward {p['reward/mean']:.3f}, k3 {k3}, "
         lines.append(f"[sweep {now}] {job.arm} seed{job.seed}: step {p['step']}/{job.steps or '?'}, "
-                     f"{outcome}run ETA {_clock(eta)}")
+                     f"{outcome}run ETA {_clock(eta)}{stall_note(p)}")
     # a resumed run's time covers only the steps it had left, so only runs made whole set the pace
     done = [r for r in finished if r.rc == 0 and r.action == "fresh"]
     per_run = (sum(r.seconds for r in done) / len(done)) if done else \

@@ -374,6 +374,27 @@ def test_a_blind_sweep_prints_progress_but_no_outcome(tmp_path):
     assert row == "r3 | 1 | fresh | ok | 600 | 60"
 
 
+def test_a_run_that_logs_nothing_for_long_is_named_as_stalled(tmp_path):
+    """A run stuck inside one call (a reward that never returned) kept showing the same step and ETA for as
+    long as it hung; the heartbeat now says how long nothing was logged, against the run's step time."""
+    import os
+    import time
+
+    run = tmp_path / "baseline" / "seed3"
+    run.mkdir(parents=True)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 462, "reward/mean": 0.0, "time/step": 3.2}) + "\n")
+    job = sweep.Job("baseline", 3, "baseline.yaml", str(run), "resume", "log", steps=600)
+    line = sweep.heartbeat_lines([job], total=1, finished=[], n_jobs=1, elapsed=60, blind=True)[0]
+    assert line.endswith("step 462/600, run ETA 0:07:22")  # just written: no note
+    os.utime(metrics, (time.time() - 25 * 60,) * 2)
+    line = sweep.heartbeat_lines([job], total=1, finished=[], n_jobs=1, elapsed=60, blind=True)[0]
+    assert line.endswith("run ETA 0:07:22; nothing logged for 25 min (a step takes 3.2 s): stalled?")
+    # an evaluation between steps is not a stall: under STALL_MIN_SECONDS nothing is said
+    os.utime(metrics, (time.time() - sweep.STALL_MIN_SECONDS + 60,) * 2)
+    assert "stalled" not in sweep.heartbeat_lines([job], 1, [], 1, 60)[0]
+
+
 def test_sweep_prints_a_heartbeat_while_runs_train_and_a_summary_table(tmp_path, capsys):
     slow = tmp_path / "slow_run.py"
     slow.write_text(SLOW_RUN)

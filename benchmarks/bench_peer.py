@@ -289,7 +289,7 @@ class TRLSide:
         from moerl.data.prompts import render_prompt
         from moerl.data.tokenizer import BOS
         from moerl.lora.peft_lora import peft_config
-        from moerl.reward import math_reward
+        from moerl import reward
 
         r, t = cfg.rollout, cfg.trainer
         self.structure, self.threads = structure, threads
@@ -318,7 +318,7 @@ class TRLSide:
         dataset = Dataset.from_list([{"prompt": BOS + render_prompt(cfg.data.task, row["question"]),
                                       "answer": row["answer"]} for row in train_rows])
         self.rewards: list[dict] = []
-        own_cache = lru_cache(maxsize=math_reward.cache_info().maxsize)(math_reward.__wrapped__)
+        own_cache = lru_cache(maxsize=reward.CACHE_SIZE)(reward.math_reward_uncached)
 
         def math_verify(completions, answer, completion_ids=None, **_):
             """moerl.reward.batch_rewards' function with a cache of its own (TRL's completions)."""

@@ -53,10 +53,11 @@ def before_optimisations():
             stack.callback(setattr, parser, name, fn)
         stack.callback(setattr, hf, "expert_lora_materialised", hf.expert_lora_materialised)
         hf.expert_lora_materialised = lambda model: nullcontext()
-        # The reward's completion-level cache existed before; clear it so neither side inherits the other's hits.
-        from moerl.reward import math_reward
+        # Rewards were verified in this process then (the parser patched above is this process's), and the
+        # completion-level cache existed; in_process() empties it so neither side inherits the other's hits.
+        from moerl import reward
 
-        math_reward.cache_clear()
+        stack.enter_context(reward.in_process())
         yield
 
 

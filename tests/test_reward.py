@@ -1,6 +1,6 @@
 import threading
 
-from moerl.reward import batch_rewards, math_reward
+from moerl.reward import IsolatedVerifier, batch_rewards, math_reward, reward_in_process
 
 
 def test_math_verify_semantics():
@@ -26,9 +26,9 @@ def test_parse_cache_holds_a_batch_of_distinct_answers():
 
     completions = [f"12+{i}=\\boxed{{{12 + i}}}" for i in range(200)]
     answers = [str(12 + i) if i % 3 else str(i) for i in range(200)]
-    first = [math_reward.__wrapped__(c, a) for c, a in zip(completions, answers)]
+    first = [reward_in_process(c, a) for c, a in zip(completions, answers)]
     misses = math_verify.parser.parse_latex_cached.cache_info().misses
-    again = [math_reward.__wrapped__(c, a) for c, a in zip(completions, answers)]
+    again = [reward_in_process(c, a) for c, a in zip(completions, answers)]
     assert again == first and sum(first) == 133
     assert math_verify.parser.parse_latex_cached.cache_info().misses == misses
 
@@ -36,21 +36,54 @@ def test_parse_cache_holds_a_batch_of_distinct_answers():
 def test_an_answer_too_large_to_evaluate_earns_nothing_without_hanging():
     """A collapsed policy wrote an answer like ``\\boxed{999^{99999999}}``: math-verify hands it to sympy,
     which computes the power in full inside one C call (hours; no signal-based timeout interrupts it) and
-    the run hung. Each such answer now earns 0 at once; run in a child process so that a regression fails
-    here instead of hanging the suite."""
+    the run hung. Each such number now earns 0 by a static bound, before the worker's time limit, in
+    process; run in a child process so that a regression fails here instead of hanging the suite."""
     import subprocess
     import sys
 
     huge = [r"\boxed{999^{99999999}}", r"\boxed{9^{9^{9}}}", r"\boxed{100000000!}", r"\boxed{2^{-99999999}}",
             r"so the answer is \boxed{3 \cdot 7^{99999999} + 1}"]
-    code = ("import sys; from moerl.reward import batch_rewards; "
-            f"print(batch_rewards({huge!r}, ['5'] * {len(huge)}))")
+    code = ("import sys; from moerl.reward import reward_in_process; "
+            f"print([reward_in_process(c, '5') for c in {huge!r}])")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise AssertionError("math_reward did not return on an answer too large to evaluate") from None
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([0.0] * len(huge))
+
+
+def test_an_answer_that_outlasts_its_time_limit_earns_nothing_and_the_rest_are_verified():
+    """What no static bound foresees is stopped by the worker's time limit: a symbolic power sympy expands
+    for minutes, a binomial that parsing itself evaluates. The answer earns 0, its worker is killed, and
+    the answers after it (in the same chunk) are verified by a new worker, in order."""
+    import time
+
+    verifier = IsolatedVerifier(timeout=3.0)
+    pairs = [(r"\boxed{7}", "7"), (r"\boxed{(x+y+1)^{1000}}", "5"), (r"\boxed{8}", "8"),
+             (r"\boxed{\binom{99999999}{49999999}}", "5"), (r"\boxed{9}", "7")]
+    start = time.perf_counter()
+    assert verifier.many(pairs) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert time.perf_counter() - start < 60
+    assert verifier(r"\boxed{0.5}", "\\frac{1}{2}") == 1.0  # the worker after a kill is a working one
+
+
+def test_batch_rewards_match_one_by_one_and_reuse_what_they_verified(monkeypatch):
+    import moerl.reward as reward
+
+    completions = [f"3*{i}=\\boxed{{{3 * i}}}" for i in range(50)] * 3 + ["no box", ""]
+    answers = [str(3 * i) if i % 4 else str(i + 1) for i in range(50)] * 3 + ["1", "1"]
+    expected = [reward_in_process(c, a) if "\\boxed" in c else 0.0 for c, a in zip(completions, answers)]
+    sent = []
+    many = reward.verifier.many
+    monkeypatch.setattr(reward.verifier, "many", lambda pairs: sent.append(len(pairs)) or many(pairs))
+    assert batch_rewards(completions, answers) == expected
+    assert batch_rewards(completions, answers) == expected
+    assert sent == [50, 0]  # each distinct pair verified once
+    with reward.in_process():  # a benchmark's side that patches this process's parser
+        assert isinstance(reward.verifier, reward.InProcessVerifier)
+        assert batch_rewards(completions, answers) == expected
+    assert isinstance(reward.verifier, IsolatedVerifier)
 
 
 def test_large_but_ordinary_answers_are_still_verified():

@@ -2,16 +2,32 @@
 
 math-verify's default timeouts use ``signal.alarm``, which only works in the main thread (and so
 fails inside Ray actors, thread pools and DataLoader workers). We pass ``parsing_timeout=None`` and
-``timeout_seconds=None`` and bound the work instead: inputs are kept short, and an answer whose value
-would have more digits than any answer here (a collapsed policy writes ``\boxed{999^{99999999}}``) earns
-nothing without being evaluated -- sympy would compute it in full inside one C call, which no
-signal-based timeout interrupts, and the run would hang. Results are cached because GRPO samples the same
-completion for the same problem many times.
+``timeout_seconds=None`` and bound the work instead -- a signal could not stop sympy inside one C call
+anyway, and a collapsed policy's answers reach such calls (``\boxed{999^{99999999}}`` computes the power
+in full: hours):
+
+- inputs are kept short;
+- a number with more digits than any answer here earns 0 without being evaluated (a static bound, the
+  same on every machine);
+- parsing and verifying run in a worker process that is killed when one answer takes over
+  ``VERIFY_TIMEOUT_SECONDS`` (earning 0 then): what no bound foresees -- ``(x+y+1)^{1000}`` is expanded
+  for minutes, ``\binom{99999999}{49999999}`` is evaluated while parsing -- cannot stop a run. Ordinary
+  answers take milliseconds, so the limit is never near them.
+
+Results are cached because GRPO samples the same completion for the same problem many times.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import math
+import os
+import select
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
 from functools import lru_cache
 
 import math_verify.parser
@@ -26,6 +42,9 @@ PARSE_CACHE_SIZE = 1 << 16
 # An answer with more digits than this is never evaluated (it earns 0): the data's answers have a few
 # digits, and sympy computes a power or factorial in full before comparing it (999^99999999: hours).
 MAX_ANSWER_DIGITS = 10_000
+# A symbolic answer's verification is stopped after this long (it earns 0); ordinary ones take milliseconds.
+VERIFY_TIMEOUT_SECONDS = 20.0
+log = logging.getLogger(__name__)
 
 
 def _enlarge_parse_caches() -> None:
@@ -45,6 +64,10 @@ def _enlarge_parse_caches() -> None:
 _enlarge_parse_caches()
 
 
+COMBINATORIAL = (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.binomial, sympy.RisingFactorial,
+                 sympy.FallingFactorial)
+
+
 def log10_magnitude(expr: sympy.Basic) -> float:
     """An upper bound on log10 |value| of a parsed (unevaluated) answer, from its integer powers and
     factorials, without evaluating it; inf when the bound itself is astronomically large. Symbols and
@@ -59,9 +82,9 @@ def log10_magnitude(expr: sympy.Basic) -> float:
             return 0.0  # 0, 1 and -1 to any power are resolved without computing it
         exponent_log10 = log10_magnitude(exponent)
         return math.inf if exponent_log10 > 300 else 10 ** exponent_log10 * log10_magnitude(base)
-    if isinstance(expr, sympy.factorial):
-        n_log10 = log10_magnitude(expr.args[0])
-        return math.inf if n_log10 > 300 else 10 ** n_log10 * max(n_log10, 1.0)
+    if isinstance(expr, COMBINATORIAL):  # n!, n!!, !n, C(n, k), rising / falling factorials: <= m^m, m the largest argument
+        m_log10 = max(log10_magnitude(a) for a in expr.args)
+        return math.inf if m_log10 > 300 else 10 ** m_log10 * max(m_log10, 1.0)
     return sum((log10_magnitude(a) for a in expr.args), 0.0)
 
 
@@ -76,12 +99,10 @@ def _gold(answer: str):
     return parse(text, parsing_timeout=None)
 
 
-@lru_cache(maxsize=1 << 18)
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals ``answer`` (math-verify semantics), else 0.0."""
-    if not completion or "\\boxed" not in completion:
-        return 0.0
-    pred = parse(completion[-MAX_COMPLETION_CHARS:], parsing_timeout=None)
+def reward_in_process(completion_tail: str, answer: str) -> float:
+    """math-verify's verdict on a completion's tail, in this process (what the worker runs): a number too
+    large to evaluate earns 0 at once, the same on every machine."""
+    pred = parse(completion_tail, parsing_timeout=None)
     if not pred or too_large_to_evaluate(pred):
         return 0.0
     try:
@@ -90,7 +111,123 @@ def math_reward(completion: str, answer: str) -> float:
         return 0.0
 
 
+class IsolatedVerifier:
+    """``reward_in_process`` in a child process that is killed when one answer takes over ``timeout`` s.
+
+    A plain ``python -c`` child reading JSON lines, written here because multiprocessing's spawn and
+    forkserver re-import the caller's main module (which breaks inside Ray workers and unguarded
+    scripts) and fork would copy the trainer's threads; pebble's pool builds on those contexts."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.process, self.lock = timeout, None, threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        code = f"import sys; sys.path[:0] = {sys.path!r}; from moerl.reward import serve; serve()"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # unbuffered bytes: select() sees every reply line, none hides in a read-ahead buffer
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   env=env, bufsize=0)
+        atexit.register(process.kill)
+        return process
+
+    def __call__(self, completion_tail: str, answer: str) -> float:
+        return self.many([(completion_tail, answer)])[0]
+
+    def many(self, pairs: list[tuple[str, str]], chunk_bytes: int = 32 << 10) -> list[float]:
+        """Rewards of (completion tail, answer) pairs, in order. A chunk is written at once (one round trip,
+        not one per answer) and read back line by line, each answer with its own time limit: one that
+        exceeds it earns 0, its worker is killed, and the answers after it go to a new worker. A chunk
+        fits in the pipe's buffer (64 KiB), so writing it never waits on a worker that hangs."""
+        out: list[float] = []
+        lines = [(json.dumps(pair) + "\n").encode() for pair in pairs]
+        with self.lock:
+            while len(out) < len(pairs):
+                todo, size = [], 0
+                for line in lines[len(out):]:
+                    if todo and size + len(line) > chunk_bytes:
+                        break
+                    todo.append(pairs[len(out) + len(todo)])
+                    size += len(line)
+                if self.process is None or self.process.poll() is not None:
+                    self.process = self._start()
+                self.process.stdin.write(b"".join(lines[len(out):len(out) + len(todo)]))
+                for tail, _ in todo:
+                    ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
+                    line = self.process.stdout.readline() if ready else ""
+                    if not line:  # took too long (or the worker died): kill it, the rest go to a new one
+                        self.process.kill()
+                        self.process.wait()
+                        self.process = None
+                        log.warning("reward: verifying %r took over %g s; it earns 0", tail[-80:], self.timeout)
+                        out.append(0.0)
+                        break
+                    out.append(float(line))
+        return out
+
+
+def serve() -> None:
+    """The worker's loop: one JSON ``[completion_tail, answer]`` per line in, its reward per line out."""
+    for line in sys.stdin:
+        print(reward_in_process(*json.loads(line)), flush=True)
+
+
+class InProcessVerifier:
+    """``reward_in_process`` behind the worker's interface, with no time limit: for a benchmark whose
+    comparison patches this process's parser (``in_process``), never for a run."""
+
+    def __call__(self, completion_tail: str, answer: str) -> float:
+        return reward_in_process(completion_tail, answer)
+
+    def many(self, pairs: list[tuple[str, str]]) -> list[float]:
+        return [reward_in_process(*pair) for pair in pairs]
+
+
+verifier: IsolatedVerifier | InProcessVerifier = IsolatedVerifier(VERIFY_TIMEOUT_SECONDS)
+# the answers already verified: GRPO samples the same completion for the same problem many times
+CACHE_SIZE = 1 << 18
+_cache: dict[tuple[str, str], float] = {}
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+@contextmanager
+def in_process():
+    """Verify in this process while the block runs (and with an empty cache on both sides of it)."""
+    global verifier
+    saved, verifier = verifier, InProcessVerifier()
+    clear_cache()
+    try:
+        yield
+    finally:
+        verifier = saved
+        clear_cache()
+
+
+def _scored(completion: str) -> bool:
+    return bool(completion) and "\\boxed" in completion
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals ``answer`` (math-verify semantics), else 0.0."""
+    return batch_rewards([completion], [answer])[0]
+
+
+def math_reward_uncached(completion: str, answer: str) -> float:
+    """``math_reward`` without this module's cache (a benchmark's other side keeps a cache of its own)."""
+    return verifier(completion[-MAX_COMPLETION_CHARS:], answer) if _scored(completion) else 0.0
+
+
 def batch_rewards(completions: list[str], answers: list[str]) -> list[float]:
+    """``math_reward`` of each pair; the pairs not seen before go to the worker together."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
-    return [math_reward(c, a) for c, a in zip(completions, answers)]
+    keys = [(c[-MAX_COMPLETION_CHARS:], a) if _scored(c) else None for c, a in zip(completions, answers)]
+    unseen = list(dict.fromkeys(k for k in keys if k is not None and k not in _cache))
+    _cache.update(zip(unseen, verifier.many(unseen)))
+    rewards = [0.0 if k is None else _cache[k] for k in keys]
+    if len(_cache) > CACHE_SIZE:  # forget the oldest answers (dicts keep insertion order)
+        for key in list(_cache)[:len(_cache) - CACHE_SIZE]:
+            del _cache[key]
+    return rewards

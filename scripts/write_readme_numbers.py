@@ -388,7 +388,7 @@ def section_07_registered(runs_root: Path) -> str:
 
 FRONT_PAGE = "README.md"
 FRONT_PAGE_LIMIT = 15 * 1024  # bytes: the front page is read in one sitting; longer tables live in the experiments' READMEs
-HEADLINE_VERDICTS = 8  # a grid with more verdicts than this is tallied on the front page, which must stay short
+HEADLINE_VERDICTS = 8  # a grid with more verdicts than this names each comparison once on the front page
 
 
 def section_07_headline(runs_root: Path) -> str:
@@ -398,12 +398,14 @@ def section_07_headline(runs_root: Path) -> str:
     lines = []
     for grid, verdicts in c["result"]["verdicts"].items():
         n = max((v.get("gain", v).get("n") or (v.get("power") or {}).get("n") or 0) for v in verdicts.values())
-        if len(verdicts) > HEADLINE_VERDICTS:  # a per-rung grid: its tally, the verdicts in the experiment's README
-            tally: dict[str, int] = {}
-            for v in verdicts.values():
-                kind = v["verdict"].split(" (")[0]  # "partly (2 of 5)" and "partly (3 of 5)" tally as partly
-                tally[kind] = tally.get(kind, 0) + 1
-            items = [f"{len(verdicts)} verdicts: " + ", ".join(f"{k} **{t}**" for t, k in tally.items())]
+        if len(verdicts) > HEADLINE_VERDICTS:  # a per-rung grid: each comparison once, its rungs by verdict
+            by_comparison: dict[str, dict[str, list[str]]] = {}
+            for name, v in verdicts.items():
+                comparison, _, rung = name.rpartition(" at ") if " at " in name else (name, "", "")
+                by_comparison.setdefault(comparison, {}).setdefault(v["verdict"], []).append(rung)
+            items = [f"{comparison.replace('like_control', 'like control')} " + ", ".join(
+                f"**{verdict}**" + (f" at {', '.join(rungs)}" if any(rungs) else "")
+                for verdict, rungs in by_verdict.items()) for comparison, by_verdict in by_comparison.items()]
         else:
             items = [f"{name.replace('like_control', 'like control')} **{v['verdict']}**"
                      + (" (acts-on floor)" if "floor_ungated" in v else " (gated)" if "ungated" in v else "")
@@ -477,6 +479,13 @@ def section_07_grid_facts(runs_root: Path, rung: str) -> str:
     return grid_facts(_runs_07(runs_root, "recorded"), rung)
 
 
+def section_07_mechanism_facts(runs_root: Path) -> str:
+    from moerl.analysis.dose_facts import mechanism_facts
+
+    c = _confirmatory(runs_root)
+    return mechanism_facts(c["runs"], c["report"].REGISTERED, _runs_07(runs_root, "recorded"))
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
@@ -517,6 +526,8 @@ SECTIONS = {
                         lambda results: section_07_ladder_facts(results / "runs")),
     "07_facts_nvfp4": (["experiments/07_dose_threshold/README.md"],
                        lambda results: section_07_grid_facts(results / "runs", "nvfp4")),
+    "07_facts_mechanism": (["experiments/07_dose_threshold/README.md"],
+                           lambda results: section_07_mechanism_facts(results / "runs")),
     "07_facts_fp8": (["experiments/07_dose_threshold/README.md"],
                      lambda results: section_07_grid_facts(results / "runs", "fp8")),
 }

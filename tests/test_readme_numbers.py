@@ -89,9 +89,9 @@ def test_the_experiments_table_counts_the_runs_themselves(tmp_path):
     assert numbers.recorded_runs(tmp_path / "nowhere") == (0, 0)
 
 
-def test_the_headline_names_few_verdicts_and_tallies_many(monkeypatch):
-    """A grid with up to HEADLINE_VERDICTS verdicts is listed verdict by verdict; a per-rung grid is tallied,
-    "partly (k of n)" counted as one kind, so a completing grid adds a bounded line to the front page."""
+def test_the_headline_names_few_verdicts_and_groups_many_by_comparison(monkeypatch):
+    """A grid with up to HEADLINE_VERDICTS verdicts is listed verdict by verdict; a per-rung grid names each
+    comparison once, with its rungs grouped by verdict, so the front page says what was found at which rung."""
     many = {f"r3 prevents collapse at rung{i}": {"verdict": f"partly ({i} of 5)", "power": {"n": 5}} for i in (1, 2)}
     many |= {f"baseline collapses at rung{i}": {"verdict": "yes", "power": {"n": 5}} for i in range(8)}
     result = {"verdicts": {"few": {"r3 like_control": {"verdict": "inconclusive", "gain": {"n": 12}},
@@ -104,13 +104,15 @@ def test_the_headline_names_few_verdicts_and_tallies_many(monkeypatch):
     lines = numbers.section_07_headline(Path("unused")).splitlines()
     assert lines[2] == ("- `few` (12 seeds): r3 like control **inconclusive**; "
                         "tis helps **not tested** (acts-on floor)")
-    assert lines[3] == "- `many` (5 seeds): 10 verdicts: 2 **partly**, 8 **yes**"
+    assert lines[3] == ("- `many` (5 seeds): r3 prevents collapse **partly (1 of 5)** at rung1, **partly (2 of 5)** at "
+                        "rung2; baseline collapses **yes** at " + ", ".join(f"rung{i}" for i in range(8)))
     assert lines[4] == "- still running: `running` 3/20"
 
 
 def test_the_front_page_still_fits_once_every_registered_grid_is_complete(monkeypatch):
-    """The headline grows as grids complete: with every registered grid complete and each verdict at its
-    longest wording, the front page must still fit, so that no landing run makes the page fail later."""
+    """The headline grows as grids complete: with every registered grid complete -- a complete grid with its
+    verdicts as recorded, the others with each verdict at its longest wording -- the front page must still
+    fit, so that no landing run makes the page fail later."""
     from moerl.analysis import confirmatory, registration
 
     registered = registration.load(registration.analysis_path("07_dose_threshold"))
@@ -132,6 +134,8 @@ def test_the_front_page_still_fits_once_every_registered_grid_is_complete(monkey
 
         verdicts[grid] = {name: {"verdict": kinds[i % len(kinds)] if many else "inconclusive",
                                  "gain": {"n": len(spec.seeds)}, **longest(name)} for i, name in enumerate(names)}
+    recorded = numbers._confirmatory(REPO / "results" / "runs")["result"]
+    verdicts |= {grid: found for grid, found in recorded["verdicts"].items() if recorded["progress"][grid]["complete"]}
     progress = {g: {"finished": 1, "planned": 1, "complete": True} for g in verdicts}
     monkeypatch.setattr(numbers, "_confirmatory", lambda runs_root: {"result": {"verdicts": verdicts,
                                                                                 "progress": progress}})

@@ -187,7 +187,8 @@ def _seconds_per_step(runs: list[dict]) -> float | None:
     return float(np.median(rates)) if rates else None
 
 
-def _by_seed(runs: list[dict], grid: str, arm: str, rung: str, registered: dict) -> dict[int, dict]:
+def cell_by_seed(runs: list[dict], grid: str, arm: str, rung: str, registered: dict) -> dict[int, dict]:
+    """A registered grid's finished runs of one arm at one rung, by seed (its paired comparisons' unit)."""
     return {r["seed"]: r for r in runs
             if grid_of(r, registered) == grid and r["arm"] == arm and r["rung"] == rung and finished(r)}
 
@@ -247,17 +248,17 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
     """The registered fp8 comparisons (``confirmatory_comparisons``), each with its t interval and power;
     "like the control" needs a learning control and is gated by the control's ``regime_verdict``."""
     grid = "confirmatory_fp8"
-    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
-    baseline = _by_seed(runs, grid, "baseline", "fp8", registered)
+    control = cell_by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    baseline = cell_by_seed(runs, grid, "baseline", "fp8", registered)
     like, helps, acts = rules["like_control_t"], rules["helps_t"], rules["acts_on_per_mechanism"]
     alpha = 1 - helps["level"]
     final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
     out = {}
     arms = registered["grids"][grid]["arms"]
     # the noise model's paired sds (moerl.analysis.power): every arm - baseline, every arm - control
-    sd = _pooled_sd([_paired(_by_seed(runs, grid, arm, "fp8", registered), baseline, final)
+    sd = _pooled_sd([_paired(cell_by_seed(runs, grid, arm, "fp8", registered), baseline, final)
                      for arm in arms if arm != "baseline"])
-    sd_control = _pooled_sd([_paired(_by_seed(runs, grid, arm, "fp8", registered), control, final) for arm in arms])
+    sd_control = _pooled_sd([_paired(cell_by_seed(runs, grid, arm, "fp8", registered), control, final) for arm in arms])
     behind = _paired(control, baseline, final)
     out["baseline behind control"] = {"verdict": power.t_verdict(behind.values(), 0.0, alpha=alpha),
                                       "difference": "control - baseline", **_interval(behind, alpha),
@@ -267,7 +268,7 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
         arm, kind = comparison.split(" ", 1)
         if arm == "baseline":
             continue
-        mine = _by_seed(runs, grid, arm, "fp8", registered)
+        mine = cell_by_seed(runs, grid, arm, "fp8", registered)
         if kind == "like_control":
             diff = _paired(mine, control, final)
             verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
@@ -296,20 +297,20 @@ def minus_control(runs: list[dict], registered: dict, grid: str = "confirmatory_
     """Per arm of ``grid`` (at its one rung), each seed's final held-out pass@1 minus the confirmatory
     control's of the same seed: the quantity the "like the control" rule reads, for every arm."""
     spec = path_grids(registered)[grid]
-    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    control = cell_by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
     final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
-    return {arm: _paired(_by_seed(runs, grid, arm, spec.rungs[0], registered), control, final) for arm in spec.arms}
+    return {arm: _paired(cell_by_seed(runs, grid, arm, spec.rungs[0], registered), control, final) for arm in spec.arms}
 
 
 def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
     """``keeps_drifting`` at nvfp4 over 600 steps: does the correction stop the drift or only delay it."""
     grid = "confirmatory_nvfp4_600"
-    baseline = _by_seed(runs, grid, "baseline", "nvfp4", registered)
+    baseline = cell_by_seed(runs, grid, "baseline", "nvfp4", registered)
     base_growth = [r["k3_growth"] for r in baseline.values() if r.get("k3_growth") is not None]
     out = {}
     for comparison in rules["confirmatory_comparisons"][grid]:
         arm = comparison.split(" ", 1)[0]
-        mine = _by_seed(runs, grid, arm, "nvfp4", registered)
+        mine = cell_by_seed(runs, grid, arm, "nvfp4", registered)
         _, _, acted = _acted(arm, mine, rules["acts_on_per_mechanism"])
         growth = [r["k3_growth"] for r in mine.values() if r.get("k3_growth") is not None]
         out[comparison] = {"verdict": keeps_drifting(growth, base_growth, acted), "k3_growth": growth,
@@ -374,10 +375,10 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
     judged at; collapses, prevents collapse and like the control gated by the control's ``regime_verdict``."""
     name = "mechanism"
     grid = path_grids(registered)[name]
-    control = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+    control = cell_by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
     like, helps = rules["like_control_t"], rules["helps_t"]
     final = lambda r: r.get("pass1_end")  # noqa: E731 - the compared quantity, named once
-    arm_at = lambda arm, rung: _by_seed(runs, name, arm, rung, registered)  # noqa: E731
+    arm_at = lambda arm, rung: cell_by_seed(runs, name, arm, rung, registered)  # noqa: E731
     where = f"experiments/{registered.get('experiment', '?')}/analysis.yaml: rules.confirmatory_comparisons.{name}"
     out = {}
     for comparison in rules["confirmatory_comparisons"][name]:
@@ -428,7 +429,7 @@ def exploratory_table(runs: list[dict], registered: dict, grid_name: str) -> lis
     rows = []
     for arm in grid.arms:
         for rung in grid.only.get(arm, grid.rungs):
-            mine = _by_seed(runs, grid.name, arm, rung, registered)
+            mine = cell_by_seed(runs, grid.name, arm, rung, registered)
             finals = {s: r["pass1_end"] for s, r in mine.items() if r.get("pass1_end") is not None}
             k3 = [r["k3_median"] for r in mine.values() if r.get("k3_median") is not None]
             rows.append({"arm": arm, "rung": rung, "n": len(mine), "collapsed": len(_collapsed(mine)),
@@ -452,7 +453,7 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
         if status.get(grid, {}).get("complete"):
             out["exploratory"][grid] = exploratory_table(runs, registered, grid)
     if status.get("confirmatory_control", {}).get("complete"):
-        controls = _by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
+        controls = cell_by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
         control_regime = regime(controls, rules["regime_t"], rules.get("control_gain"))
         out["verdicts"]["confirmatory_control"] = {"regime": control_regime}
         if status.get("confirmatory_fp8", {}).get("complete"):

@@ -245,3 +245,48 @@ def grid_facts(runs: list[dict], rung: str) -> str:
         lines.append(f"- tis − r3, mean final gain over seeds: {means['tis'] - means['r3']:+.3f}")
     return "\n".join(lines)
 
+
+
+def mechanism_facts(every_run: list[dict], registered: dict, recorded: list[dict]) -> str:
+    """The registered mechanism grid's measures its verdict table does not show, once the grid and the
+    confirmatory control are complete: where every run starts and where the control ends; per 4-bit format
+    the attention-only rung's k3 against the experts-only rung's and against the whole-model rung's seed-0
+    ladder run (``recorded``: the ladder's runs); per rung and arm the mean gain over seeds (95 % t interval)."""
+    from moerl.analysis import confirmatory, power
+
+    status = confirmatory.progress(every_run, registered)
+    if not (status.get("mechanism", {}).get("complete") and status.get("confirmatory_control", {}).get("complete")):
+        return "The mechanism grid's facts are written once it and the confirmatory control are complete."
+    grid = confirmatory.path_grids(registered)["mechanism"]
+    cells = {(arm, rung): confirmatory.cell_by_seed(every_run, "mechanism", arm, rung, registered)
+             for arm in grid.arms for rung in grid.only.get(arm, grid.rungs)}
+    control = confirmatory.cell_by_seed(every_run, "confirmatory_control", "fp32_control", "fp32", registered)
+    starts = {round(r["pass1_start"], 6) for runs in [control, *cells.values()] for r in runs.values()}
+    start = f"{starts.pop():.3f}" if len(starts) == 1 else f"{min(starts):.3f}–{max(starts):.3f}"
+    lines = [f"- every run starts at held-out pass@1 {start} (the warm start, sampled with its seed); the "
+             "confirmatory control ends at "
+             f"{np.mean([r['pass1_end'] for r in control.values()]):.3f} (mean of {len(control)} seeds)"]
+    k3 = {key: float(np.median([r["k3_median"] for r in runs.values()])) for key, runs in cells.items() if runs}
+    ladder, _ = ladder_rows(recorded)
+    for fmt_name in ("nvfp4", "int4"):
+        attention, experts = k3.get(("baseline", f"{fmt_name}_attention")), k3.get(("baseline", f"{fmt_name}_experts"))
+        whole = ladder.get(fmt_name, {}).get("k3_median")
+        if attention is None or experts is None:
+            continue
+        lines.append(f"- {fmt_name}, the uncorrected arm's k3 (median over seeds of the run median): attention only "
+                     f"{attention / experts:.0f}× experts only; attention only {attention / whole:.2f}× the "
+                     f"whole-model rung's seed-0 ladder run" if whole else "")
+    for rung in grid.rungs:
+        parts = []
+        for arm in grid.arms:
+            runs = cells.get((arm, rung))
+            if not runs:
+                continue
+            gains = [r["pass1_end"] - r["pass1_start"] for r in runs.values()]
+            interval = power.t_interval(gains, level=0.95)
+            parts.append(f"{arm} {interval[0]:+.3f} [{interval[1]:+.3f}, {interval[2]:+.3f}]")
+        lines.append(f"- {rung}, mean held-out pass@1 gain over seeds [95 % t]: " + "; ".join(parts))
+    gains = [r["pass1_end"] - r["pass1_start"] for r in control.values()]
+    interval = power.t_interval(gains, level=0.95)
+    lines.append(f"- the confirmatory control's gain: {interval[0]:+.3f} [{interval[1]:+.3f}, {interval[2]:+.3f}]")
+    return "\n".join(line for line in lines if line)

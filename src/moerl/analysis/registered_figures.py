@@ -59,7 +59,7 @@ def _gate(v: dict, sep: str = " ") -> str:
 
 def _members(every_run: list[dict], grid: str, arm: str, rung: str) -> dict[int, dict]:
     """The grid's finished runs of ``arm`` at ``rung``, by seed (the same runs its verdicts read)."""
-    return confirmatory._by_seed(every_run, grid, arm, rung, REGISTERED)
+    return confirmatory.cell_by_seed(every_run, grid, arm, rung, REGISTERED)
 
 
 def rolling_median(values: np.ndarray, window: int = ROLLING) -> np.ndarray:

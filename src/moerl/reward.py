@@ -42,7 +42,7 @@ PARSE_CACHE_SIZE = 1 << 16
 # An answer with more digits than this is never evaluated (it earns 0): the data's answers have a few
 # digits, and sympy computes a power or factorial in full before comparing it (999^99999999: hours).
 MAX_ANSWER_DIGITS = 10_000
-# A symbolic answer's verification is stopped after this long (it earns 0); ordinary ones take milliseconds.
+# One answer's parse and verification is stopped after this long (it earns 0); ordinary ones take milliseconds.
 VERIFY_TIMEOUT_SECONDS = 20.0
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,12 @@ class IsolatedVerifier:
 
 
 def serve() -> None:
-    """The worker's loop: one JSON ``[completion_tail, answer]`` per line in, its reward per line out."""
+    """The worker's loop: one JSON ``[completion_tail, answer]`` per line in, its reward per line out (on
+    the real stdout only: anything a library prints goes to stderr, so it cannot be read as a reward)."""
+    replies, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
-        print(reward_in_process(*json.loads(line)), flush=True)
+        replies.write(f"{reward_in_process(*json.loads(line))}\n")
+        replies.flush()
 
 
 class InProcessVerifier:

@@ -108,3 +108,17 @@ def test_every_answer_of_the_generated_data_is_far_below_the_bound():
     for splits in (arith_splits(2000, 500, seed=0), worked_splits(2000, 500, seed=0)):
         answers = [row["answer"] for split in splits for row in split]
         assert max(len(a) for a in answers) < MAX_ANSWER_DIGITS / 100
+
+
+def test_a_verifier_worker_that_cannot_start_is_an_error_not_a_zero_reward(monkeypatch):
+    """An answer that kills or outlasts its worker earns 0; a worker that never starts (a broken set-up)
+    would otherwise score every answer 0 in silence, so it raises, naming the cause."""
+    import pytest
+
+    import moerl.reward as reward
+
+    verifier = IsolatedVerifier(timeout=5.0)
+    monkeypatch.setattr(reward, "WORKER_START_SECONDS", 30.0)
+    monkeypatch.setattr(reward.sys, "executable", "/bin/false")  # a child that exits at once
+    with pytest.raises(RuntimeError, match="verifier worker did not start"):
+        verifier(r"\boxed{7}", "7")

@@ -44,6 +44,7 @@ PARSE_CACHE_SIZE = 1 << 16
 MAX_ANSWER_DIGITS = 10_000
 # One answer's parse and verification is stopped after this long (it earns 0); ordinary ones take milliseconds.
 VERIFY_TIMEOUT_SECONDS = 20.0
+WORKER_START_SECONDS = 120.0  # importing math-verify and sympy; on a loaded machine, seconds
 log = logging.getLogger(__name__)
 
 
@@ -122,12 +123,18 @@ class IsolatedVerifier:
         self.timeout, self.process, self.lock = timeout, None, threading.Lock()
 
     def _start(self) -> subprocess.Popen:
-        code = f"import sys; sys.path[:0] = {sys.path!r}; from moerl.reward import serve; serve()"
+        code = f"import sys; sys.path[:0] = {sys.path!r}; from moerl.reward import serve; serve(handshake=True)"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # unbuffered bytes: select() sees every reply line, none hides in a read-ahead buffer
         process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    env=env, bufsize=0)
         atexit.register(process.kill)
+        # A worker that cannot start is a broken set-up, not an answer's fault: say so instead of scoring 0.
+        ready, _, _ = select.select([process.stdout], [], [], WORKER_START_SECONDS)
+        if not ready or process.stdout.readline() != b"ready\n":
+            process.kill()
+            raise RuntimeError(f"moerl.reward: the verifier worker did not start within {WORKER_START_SECONDS:g} s "
+                               f"(exit code {process.poll()}; its stderr is above); rewards cannot be computed")
         return process
 
     def __call__(self, completion_tail: str, answer: str) -> float:
@@ -153,22 +160,27 @@ class IsolatedVerifier:
                 self.process.stdin.write(b"".join(lines[len(out):len(out) + len(todo)]))
                 for tail, _ in todo:
                     ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
-                    line = self.process.stdout.readline() if ready else ""
-                    if not line:  # took too long (or the worker died): kill it, the rest go to a new one
+                    line = self.process.stdout.readline() if ready else b""
+                    if not line:  # took too long, or died on this answer: kill it, the rest go to a new one
                         self.process.kill()
                         self.process.wait()
                         self.process = None
-                        log.warning("reward: verifying %r took over %g s; it earns 0", tail[-80:], self.timeout)
+                        why = f"took over {self.timeout:g} s" if not ready else "ended its verifier (killed, out of memory?)"
+                        log.warning("reward: verifying %r %s; it earns 0", tail[-80:], why)
                         out.append(0.0)
                         break
                     out.append(float(line))
         return out
 
 
-def serve() -> None:
+def serve(handshake: bool = False) -> None:
     """The worker's loop: one JSON ``[completion_tail, answer]`` per line in, its reward per line out (on
-    the real stdout only: anything a library prints goes to stderr, so it cannot be read as a reward)."""
+    the real stdout only: anything a library prints goes to stderr, so it cannot be read as a reward);
+    ``handshake``: first a ``ready`` line once its imports are done."""
     replies, sys.stdout = sys.stdout, sys.stderr
+    if handshake:
+        replies.write("ready\n")
+        replies.flush()
     for line in sys.stdin:
         replies.write(f"{reward_in_process(*json.loads(line))}\n")
         replies.flush()

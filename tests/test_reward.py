@@ -122,3 +122,13 @@ def test_a_verifier_worker_that_cannot_start_is_an_error_not_a_zero_reward(monke
     monkeypatch.setattr(reward.sys, "executable", "/bin/false")  # a child that exits at once
     with pytest.raises(RuntimeError, match="verifier worker did not start"):
         verifier(r"\boxed{7}", "7")
+
+
+def test_the_reward_cache_keeps_the_newest_answers_within_its_size(monkeypatch):
+    import moerl.reward as reward
+
+    monkeypatch.setattr(reward, "CACHE_SIZE", 5)
+    with reward.in_process():
+        rewards = batch_rewards([f"\\boxed{{{i}}}" for i in range(8)], [str(i) for i in range(8)])
+        assert rewards == [1.0] * 8  # every answer scored before the oldest are forgotten
+        assert list(reward._cache) == [(f"\\boxed{{{i}}}", str(i)) for i in range(3, 8)]

@@ -27,6 +27,7 @@ import select
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -200,7 +201,7 @@ class InProcessVerifier:
 verifier: IsolatedVerifier | InProcessVerifier = IsolatedVerifier(VERIFY_TIMEOUT_SECONDS)
 # the answers already verified: GRPO samples the same completion for the same problem many times
 CACHE_SIZE = 1 << 18
-_cache: dict[tuple[str, str], float] = {}
+_cache: OrderedDict[tuple[str, str], float] = OrderedDict()
 
 
 def clear_cache() -> None:
@@ -242,7 +243,6 @@ def batch_rewards(completions: list[str], answers: list[str]) -> list[float]:
     unseen = list(dict.fromkeys(k for k in keys if k is not None and k not in _cache))
     _cache.update(zip(unseen, verifier.many(unseen)))
     rewards = [0.0 if k is None else _cache[k] for k in keys]
-    if len(_cache) > CACHE_SIZE:  # forget the oldest answers (dicts keep insertion order)
-        for key in list(_cache)[:len(_cache) - CACHE_SIZE]:
-            del _cache[key]
+    while len(_cache) > CACHE_SIZE:  # forget the oldest answers, one O(1) pop each
+        _cache.popitem(last=False)
     return rewards

@@ -486,6 +486,13 @@ def section_07_mechanism_facts(runs_root: Path) -> str:
     return mechanism_facts(c["runs"], c["report"].REGISTERED, _runs_07(runs_root, "recorded"))
 
 
+def section_07_drift_facts(runs_root: Path) -> str:
+    from moerl.analysis.dose_facts import drift_facts
+
+    c = _confirmatory(runs_root)
+    return drift_facts(c["runs"], c["report"].REGISTERED)
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
     "experiments": (["README.md"], lambda results: section_experiments(results)),
@@ -528,6 +535,8 @@ SECTIONS = {
                        lambda results: section_07_grid_facts(results / "runs", "nvfp4")),
     "07_facts_mechanism": (["experiments/07_dose_threshold/README.md"],
                            lambda results: section_07_mechanism_facts(results / "runs")),
+    "07_facts_drift": (["experiments/07_dose_threshold/README.md"],
+                       lambda results: section_07_drift_facts(results / "runs")),
     "07_facts_fp8": (["experiments/07_dose_threshold/README.md"],
                      lambda results: section_07_grid_facts(results / "runs", "fp8")),
 }

@@ -82,3 +82,40 @@ def test_ladder_facts_name_the_collapsed_rungs_and_the_threshold_rungs_k3_growth
     assert "collapsed (seed 0): nvfp4: held-out pass@1 0.500 → 0.020" in text
     assert "25-step median k3 2.0e-02 at the start" in text and "2.0e-01 at the end (10×)" in text
     assert "no collapse: bf16 gains +0.080" in text
+
+
+def test_drift_facts_split_the_600_step_runs_at_their_midpoint(tmp_path):
+    from moerl.analysis import confirmatory, registration
+
+    registered = registration.load(registration.analysis_path("07_dose_threshold"))
+    path = {registered["rollout_path"]["key"]: registered["rollout_path"]["value"]}
+    spec = confirmatory.path_grids(registered)["confirmatory_nvfp4_600"]
+
+    def run(arm, rung, seed, steps, end, run_dir=None, collapse=None):
+        return {"arm": arm, "rung": rung, "seed": seed, "steps": steps, "steps_planned": steps,
+                "eval_completions": 2048, "path": dict(path), "pass1_start": 0.55, "pass1_end": end,
+                "collapse_step": collapse, "acts_on": {}, "run_dir": run_dir}
+
+    runs = [run("fp32_control", "fp32", s, 300, 0.65) for s in range(12)]
+    assert facts.drift_facts(runs, registered).startswith("The 600-step grid's facts are written once")
+    for arm in spec.arms:
+        # k3 doubles after the first 50 steps; in the second half the baseline's grows tenfold, the others' holds
+        late = 0.2 if arm == "baseline" else 0.02
+        for seed in spec.seeds:
+            k3 = [0.01] * 50 + [0.02] * 250 + [late] * 300
+            end = 0.05 if arm == "baseline" else 0.62 + 0.01 * seed
+            rows = [{"step": 0, "eval/pass1": 0.55}]
+            rows += [{"step": i + 1, "reward/mean": 0.5, "mismatch/k3": v} for i, v in enumerate(k3)]
+            rows += [{"step": 300, "eval/pass1": 0.60}, {"step": 600, "eval/pass1": end}]
+            d = tmp_path / arm / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            runs.append(run(arm, "nvfp4", seed, 600, end, str(d), 350 if arm == "baseline" else None))
+    lines = facts.drift_facts(runs, registered).splitlines()
+    assert lines[0] == "- the confirmatory control (300 steps) ends at held-out pass@1 0.650 (mean of 12 seeds)"
+    baseline = next(line for line in lines if line.startswith("- baseline"))
+    assert "÷ the first 50: 2.00×; the last 50 ÷ steps 251–300: 10.00×; collapse steps [350, 350, 350, 350, 350]" in baseline
+    assert "at step 300 0.600, at step 600 0.050" in baseline and "change -0.550 [-0.550, -0.550]" in baseline
+    tis = next(line for line in lines if line.startswith("- tis"))
+    # the seeds end 0.62-0.66: the change from step 300 is +0.04 on average, its t interval from their spread
+    assert "the last 50 ÷ steps 251–300: 1.00×; collapse steps none" in tis and "change +0.040 [+0.020, +0.060]" in tis

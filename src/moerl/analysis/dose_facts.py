@@ -290,3 +290,54 @@ def mechanism_facts(every_run: list[dict], registered: dict, recorded: list[dict
     interval = power.t_interval(gains, level=0.95)
     lines.append(f"- the confirmatory control's gain: {interval[0]:+.3f} [{interval[1]:+.3f}, {interval[2]:+.3f}]")
     return "\n".join(line for line in lines if line)
+
+
+def _k3_window_median(run: dict, end: int, window: int = EARLY_LATE_WINDOW) -> float:
+    """Median per-step k3 over the ``window`` training steps ending at step ``end``."""
+    k3 = metric_values(_rows(run), "mismatch/k3")
+    return float(np.nanmedian(k3[end - window:end]))
+
+
+def _pass1_at(run: dict, step: int) -> float | None:
+    """A run's held-out pass@1 logged at ``step`` (None when it evaluated elsewhere)."""
+    at = [r["eval/pass1"] for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+          if "eval/pass1" in r and r.get("step") == step]
+    return at[-1] if at else None
+
+
+def drift_facts(every_run: list[dict], registered: dict) -> str:
+    """The 600-step nvfp4 grid's measures beside its drift verdicts, once it and the confirmatory control
+    are complete. The registered rule reads k3 over the first and last 50 steps; these split the run at its
+    midpoint, where the 300-step grids end, so a reader sees whether a correction's drift goes on in the
+    second half or levels off (stopped, or only slowed), and whether what an arm learned by the midpoint
+    holds to the end (a delayed collapse would give it back)."""
+    from moerl.analysis import confirmatory, power
+
+    grid_name = "confirmatory_nvfp4_600"
+    status = confirmatory.progress(every_run, registered)
+    if not (status.get(grid_name, {}).get("complete") and status.get("confirmatory_control", {}).get("complete")):
+        return "The 600-step grid's facts are written once it and the confirmatory control are complete."
+    grid = confirmatory.path_grids(registered)[grid_name]
+    mid, w = grid.steps // 2, EARLY_LATE_WINDOW
+    control = confirmatory.cell_by_seed(every_run, "confirmatory_control", "fp32_control", "fp32", registered)
+    control_steps = sorted({r["steps"] for r in control.values()})
+    lines = [f"- the confirmatory control ({'/'.join(map(str, control_steps))} steps) ends at held-out pass@1 "
+             f"{np.mean([r['pass1_end'] for r in control.values()]):.3f} (mean of {len(control)} seeds)"]
+    for arm in grid.arms:
+        runs = confirmatory.cell_by_seed(every_run, grid_name, arm, grid.rungs[0], registered)
+        seeds = sorted(runs)
+        first = [_k3_window_median(runs[s], mid) / _k3_window_median(runs[s], w) for s in seeds]
+        second = [_k3_window_median(runs[s], grid.steps) / _k3_window_median(runs[s], mid) for s in seeds]
+        at_mid = [_pass1_at(runs[s], mid) for s in seeds]
+        change = [runs[s]["pass1_end"] - m for s, m in zip(seeds, at_mid) if m is not None]
+        collapsed = [runs[s]["collapse_step"] for s in seeds if runs[s].get("collapse_step") is not None]
+        line = (f"- {arm} ({len(seeds)} seeds): k3 over steps {mid - w + 1}–{mid} ÷ the first {w}: "
+                f"{_span(first, '.2f')}×; the last {w} ÷ steps {mid - w + 1}–{mid}: {_span(second, '.2f')}×; "
+                f"collapse steps {collapsed or 'none'}")
+        if len(change) == len(seeds) and len(change) > 1:
+            interval = power.t_interval(change, level=0.95)
+            line += (f"; held-out pass@1 at step {mid} {np.mean(at_mid):.3f}, at step {grid.steps} "
+                     f"{np.mean([runs[s]['pass1_end'] for s in seeds]):.3f} (mean over seeds), change "
+                     f"{interval[0]:+.3f} [{interval[1]:+.3f}, {interval[2]:+.3f}] (95 % t)")
+        lines.append(line)
+    return "\n".join(lines)

@@ -407,7 +407,10 @@ def test_the_drift_figure_waits_for_the_grid_then_draws_each_arm(tmp_path):
         k3 = np.geomspace(0.01, 0.01 * growth, spec.steps)
         metrics = tmp_path / arm / "metrics.jsonl"
         metrics.parent.mkdir()
-        metrics.write_text("".join(json.dumps({"step": i + 1, "mismatch/k3": float(v)}) + "\n" for i, v in enumerate(k3)))
+        rows = [{"step": i + 1, "mismatch/k3": float(v)} for i, v in enumerate(k3)]
+        rows += [{"step": step, "eval/pass1": 0.55 + (0.05 if arm != "baseline" else -0.25) * step / spec.steps}
+                 for step in range(0, spec.steps + 1, 50)]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
         runs += [run(arm, "nvfp4", s, steps=spec.steps, run_dir=str(metrics.parent), k3_growth=growth,
                      collapse=400 if arm == "baseline" else None,
                      acts_on={"is/outside_band_frac": 0.05, "mask/token_frac": 0.05, "routing/any_layer_differs": 0.3})

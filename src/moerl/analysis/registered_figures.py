@@ -114,44 +114,61 @@ def confirmatory_figure(every_run: list[dict], path: Path) -> Path | None:
 
 def drift_figure(every_run: list[dict], path: Path) -> Path | None:
     """One question: at nvfp4 over 600 steps, does a correction stop the drift or only delay the collapse?
-    One panel per arm: each seed's per-step k3 of the rollout against the fp32 trainer (rolling median), the
-    early and late windows the drift rule compares shaded, collapse steps marked, and the arm's registered
-    ``keeps drifting`` verdict with each seed's late / early growth."""
+    One column per arm. Top: each seed's per-step k3 of the rollout against the fp32 trainer (rolling
+    median), the early and late windows the drift rule compares shaded, collapse steps marked, and the arm's
+    registered ``keeps drifting`` verdict with each seed's late / early growth. Bottom: each seed's held-out
+    pass@1 along training beside the confirmatory control's final one, so a collapse the correction only
+    delayed shows as pass@1 given back after step 300, where the other grids end (dotted)."""
     grid = _unsealed(every_run, "confirmatory_nvfp4_600")
     if grid is None:
         return None
     verdicts, late, spec = grid.verdicts, grid.late, grid.spec
     rung = spec.rungs[0]
-    fig, axes = plt.subplots(1, len(spec.arms), figsize=(3.4 * len(spec.arms), 4.4), sharey=True, squeeze=False)
-    for ax, arm in zip(axes[0], spec.arms):
+    control = _members(every_run, "confirmatory_control", "fp32_control", "fp32")
+    control_end = float(np.mean([r["pass1_end"] for r in control.values()]))
+    control_steps = "/".join(str(s) for s in sorted({r["steps"] for r in control.values()}))
+    fig, axes = plt.subplots(2, len(spec.arms), figsize=(3.4 * len(spec.arms), 7.2), sharey="row", sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [3, 2]})
+    for column, arm in enumerate(spec.arms):
+        top, bottom = axes[0][column], axes[1][column]
         runs = _members(every_run, spec.name, arm, rung)
         for shade, seed in zip(np.linspace(0.45, 1.0, len(runs)), sorted(runs)):
             run = runs[seed]
-            rows = [r for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
-                    if isinstance(r.get("mismatch/k3"), (int, float))]
-            steps = np.array([r["step"] for r in rows])
-            k3 = rolling_median(np.array([r["mismatch/k3"] for r in rows], dtype=float))
-            ax.semilogy(steps, k3, color=arm_color(arm), alpha=shade, lw=1)
-            if run.get("collapse_step") is not None:
+            rows = read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+            trained = [r for r in rows if isinstance(r.get("mismatch/k3"), (int, float))]
+            steps = np.array([r["step"] for r in trained])
+            k3 = rolling_median(np.array([r["mismatch/k3"] for r in trained], dtype=float))
+            top.semilogy(steps, k3, color=arm_color(arm), alpha=shade, lw=1)
+            if run.get("collapse_step") is not None and len(steps):
                 at = int(np.searchsorted(steps, run["collapse_step"]).clip(0, len(steps) - 1))
-                ax.plot(steps[at], k3[at], "x", color="k", ms=7, mew=1.5, zorder=4)
-        ax.axvspan(0, EARLY_LATE_WINDOW, color="tab:gray", alpha=0.15, lw=0)
-        ax.axvspan(spec.steps - EARLY_LATE_WINDOW, spec.steps, color="tab:gray", alpha=0.15, lw=0)
+                top.plot(steps[at], k3[at], "x", color="k", ms=7, mew=1.5, zorder=4)
+            evals = [r for r in rows if "eval/pass1" in r]
+            bottom.plot([r["step"] for r in evals], [r["eval/pass1"] for r in evals], "o-", ms=2.5, lw=1,
+                        color=arm_color(arm), alpha=shade)
+        top.axvspan(0, EARLY_LATE_WINDOW, color="tab:gray", alpha=0.15, lw=0)
+        top.axvspan(spec.steps - EARLY_LATE_WINDOW, spec.steps, color="tab:gray", alpha=0.15, lw=0)
+        for ax in (top, bottom):
+            ax.axvline(spec.steps // 2, color="k", ls=":", lw=0.8)
+        bottom.axhline(control_end, color=arm_color("fp32_control"), ls="--", lw=1,
+                       label=f"fp32 control at its end, step {control_steps} (mean of {len(control)} seeds)")
         growth = [r.get("k3_growth") for r in runs.values()]
         growth_text = ", ".join("—" if g is None else f"{g:.2g}" for g in growth)
         name = f"{arm} keeps_drifting"
         if name in verdicts:
             v = verdicts[name]
-            head = f"keeps drifting: {v['verdict']}{late(name, v)}"
+            head = f"keeps drifting: {v['verdict']}{late(name, v)}{_gate(v)}"
         else:  # the uncorrected arm: the drift the corrections are judged against
             head = "the drift to stop"
-        ax.set_title(f"{arm} ({len(runs)} seeds)\n{head}\nlate / early k3: {growth_text}", fontsize=8)
-        ax.set_xlabel("GRPO step")
-    axes[0][0].set_ylabel(f"k3, rollout vs fp32 trainer ({ROLLING}-step rolling median)")
+        top.set_title(f"{arm} ({len(runs)} seeds)\n{head}\nlate / early k3: {growth_text}", fontsize=8)
+        bottom.set_xlabel("GRPO step")
+    axes[0][0].set_ylabel(f"k3, rollout vs fp32 trainer\n({ROLLING}-step rolling median)")
+    axes[1][0].set_ylabel("held-out pass@1 (fp32 evaluator)")
+    axes[1][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"Experiment 07, registered {rung} grid, {spec.steps} steps: does a correction stop the drift "
                  "or only delay the collapse?\n"
                  f"lines: seeds; shaded: the first and last {EARLY_LATE_WINDOW} steps the drift rule compares (drifts: "
-                 f"late / early median k3 > {DRIFT_GROWTH:g} in every seed); x: collapse step; * post hoc", fontsize=9)
+                 f"late / early median k3 > {DRIFT_GROWTH:g} in every seed); x: collapse step; dotted: step "
+                 f"{spec.steps // 2}, where the other grids end; * post hoc", fontsize=9)
     fig.tight_layout()
     return save(fig, path)
 

@@ -94,7 +94,8 @@ def test_drift_facts_split_the_600_step_runs_at_their_midpoint(tmp_path):
     def run(arm, rung, seed, steps, end, run_dir=None, collapse=None):
         return {"arm": arm, "rung": rung, "seed": seed, "steps": steps, "steps_planned": steps,
                 "eval_completions": 2048, "path": dict(path), "pass1_start": 0.55, "pass1_end": end,
-                "collapse_step": collapse, "acts_on": {}, "run_dir": run_dir}
+                "collapse_step": collapse, "acts_on": {}, "run_dir": run_dir,
+                "k3_growth": 20.0 if arm == "baseline" else 2.0}  # as the rows below give
 
     runs = [run("fp32_control", "fp32", s, 300, 0.65) for s in range(12)]
     assert facts.drift_facts(runs, registered).startswith("The 600-step grid's facts are written once")
@@ -114,7 +115,8 @@ def test_drift_facts_split_the_600_step_runs_at_their_midpoint(tmp_path):
     lines = facts.drift_facts(runs, registered).splitlines()
     assert lines[0] == "- the confirmatory control (300 steps) ends at held-out pass@1 0.650 (mean of 12 seeds)"
     baseline = next(line for line in lines if line.startswith("- baseline"))
-    assert "÷ the first 50: 2.00×; the last 50 ÷ steps 251–300: 10.00×; collapse steps [350, 350, 350, 350, 350]" in baseline
+    assert ("late / early 50 steps k3 (the drift rule's measure) 20.00×; k3 over steps 251–300 ÷ the first 50: "
+            "2.00×; the last 50 ÷ steps 251–300: 10.00×; collapse steps [350, 350, 350, 350, 350]") in baseline
     assert "at step 300 0.600, at step 600 0.050" in baseline and "change -0.550 [-0.550, -0.550]" in baseline
     tis = next(line for line in lines if line.startswith("- tis"))
     # the seeds end 0.62-0.66: the change from step 300 is +0.04 on average, its t interval from their spread

@@ -331,7 +331,9 @@ def drift_facts(every_run: list[dict], registered: dict) -> str:
         at_mid = [_pass1_at(runs[s], mid) for s in seeds]
         change = [runs[s]["pass1_end"] - m for s, m in zip(seeds, at_mid) if m is not None]
         collapsed = [runs[s]["collapse_step"] for s in seeds if runs[s].get("collapse_step") is not None]
-        line = (f"- {arm} ({len(seeds)} seeds): k3 over steps {mid - w + 1}–{mid} ÷ the first {w}: "
+        registered_growth = _span([runs[s].get("k3_growth") for s in seeds], ".2f")
+        line = (f"- {arm} ({len(seeds)} seeds): late / early {w} steps k3 (the drift rule's measure) "
+                f"{registered_growth}×; k3 over steps {mid - w + 1}–{mid} ÷ the first {w}: "
                 f"{_span(first, '.2f')}×; the last {w} ÷ steps {mid - w + 1}–{mid}: {_span(second, '.2f')}×; "
                 f"collapse steps {collapsed or 'none'}")
         if len(change) == len(seeds) and len(change) > 1:

@@ -9,10 +9,12 @@ alike. "before" runs each step with the optimisations switched off, as the code 
     instead of once per generate (moerl.lora.peft_lora.expert_lora_materialised);
   - math-verify's parse caches keep their upstream size (20 entries) instead of a run's worth;
   - the engine generates on the process's threads (``rollout.threads=null``) instead of the arm's
-    ``rollout.threads``.
+    ``rollout.threads``;
+  - the engine decodes with transformers' ``generate`` (``rollout.decode=generate``) instead of moerl's
+    decode loop (moerl.rollout.decode, bit-identical to it), which needs the once-per-generate fold.
 Both trainers must log the same metrics at every step (every value except wall-clock times): the
 optimisations change no number. Prints per-phase medians, the speed-up and whether the target
-(>= 2x) is met; writes ``<out>/bench_step.json``.
+(>= 2x) is met; writes ``<out>/bench_step.json`` (``bench_step_threads<N>.json`` with ``--threads N``).
 """
 from __future__ import annotations
 
@@ -87,7 +89,8 @@ def main(argv=None) -> dict:
     if args.threads:
         overrides.append(f"threads={args.threads}")
     cfg = load_config(args.arm, overrides)
-    configs = {"before": load_config(args.arm, overrides + ["rollout.threads=null"]), "after": cfg}
+    configs = {"before": load_config(args.arm, overrides + ["rollout.threads=null", "rollout.decode=generate"]),
+               "after": cfg}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {side: GRPOTrainer(configs[side], Path(tmp) / side, progress=False) for side in ("before", "after")}
         contexts = {"before": before_optimisations, "after": nullcontext}
@@ -131,8 +134,9 @@ def main(argv=None) -> dict:
               "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_step.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out / 'bench_step.json'}")
+    record = out / (f"bench_step_threads{args.threads}.json" if args.threads else "bench_step.json")
+    record.write_text(json.dumps(result, indent=1))
+    print(f"wrote {record}")
     return result
 
 

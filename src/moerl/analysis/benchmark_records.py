@@ -63,7 +63,7 @@ def _missing(benchmark: str, command: str, path: Path, results: Path) -> Row:
 def row_step(results: Path) -> Row:
     """bench_step.py: the GRPO step of experiment 00's default arm, the current code against the
     re-created old path, alternated in one process, at two threads and at one."""
-    name, command = "one GRPO step, 00's default arm: now vs before", "benchmarks/bench_step.py [--threads N]"
+    name, command = "one GRPO step, 00's default arm: now vs before", "benchmarks/bench_step.py [--threads 1]"
     records = [(p, _read(results / "step" / p)) for p in ("bench_step.json", "bench_step_threads1.json")]
     if not all(r for _, r in records):
         return _missing(name, command, results / "step" / "bench_step.json", results)

@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moerl.config import ExperimentConfig, load_config  # noqa: E402
+from moerl.config import ExperimentConfig, load_config, resolved_threads  # noqa: E402
 from moerl.replay.capture import record_generation  # noqa: E402
 from moerl.replay.packing import pack, paper_model_sizes, unpack  # noqa: E402
 from moerl.replay.session import routing_session  # noqa: E402
@@ -627,7 +627,7 @@ def main(argv=None) -> None:
         print(f"\nsaved {out / 'overhead.json'} (key 'instructions'; dumps and logs in {out / 'callgrind'})")
         return
     cfg = load_config(args.config)
-    threads = args.threads or cfg.threads
+    threads = args.threads or resolved_threads(cfg)
     torch.set_num_threads(threads)
     print("packed routing trace per token (L * k * ceil(log2 E) bits):")
     sizes(out)

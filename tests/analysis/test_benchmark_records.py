@@ -42,9 +42,15 @@ def test_sides_that_computed_different_numbers_are_shown(tmp_path):
     assert benchmark_records.row_experts(tmp_path).same_numbers.startswith("**differs**")
 
 
-def test_a_target_set_after_a_recording_is_the_one_judged_and_both_are_named():
+def test_a_target_set_after_a_recording_is_the_one_judged_and_both_are_named(tmp_path):
     # bench_peer.py's 07 target (0.4) postdates the 07 recording, which stores the generic 0.8
     assert benchmark_records._peer_target_now("experiments/07_dose_threshold/arms/baseline.yaml") == 0.4
     assert benchmark_records._peer_target_now("experiments/00_tiny_moe_cpu/arms/baseline.yaml") == 0.8
-    row = benchmark_records.row_peer(RESULTS, "07", "07's task")
+    record = json.loads((RESULTS / "peer" / "07" / "bench_peer.json").read_text())
+    (tmp_path / "peer" / "07").mkdir(parents=True)
+    (tmp_path / "peer" / "07" / "bench_peer.json").write_text(json.dumps({**record, "target": 0.8}))
+    row = benchmark_records.row_peer(tmp_path, "07", "07's task", "experiments/07_dose_threshold/arms/baseline.yaml")
     assert row.target.startswith("≤ 0.4: ") and "records the earlier 0.8" in row.target
+    # the command that writes the row's own file, in the venv that has TRL
+    assert row.cells()[1] == ("`.venv-peer/bin/python benchmarks/bench_peer.py --threads 1 --structures matched "
+                              "--rounds 6 --arm experiments/07_dose_threshold/arms/baseline.yaml --out results/peer/07`")

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
+PEER_PYTHON = ".venv-peer/bin/python"  # the TRL venv, scripts/setup_peer_env.sh
 
 
 @dataclass
@@ -27,9 +28,11 @@ class Row:
     target: str
     same_numbers: str
     recorded: str
+    python: str = ".venv/bin/python"
 
     def cells(self) -> list[str]:
-        return [self.benchmark, f"`.venv/bin/python {self.command}`", self.figure, self.target, self.same_numbers, self.recorded]
+        return [self.benchmark, f"`{self.python} {self.command}`", self.figure, self.target, self.same_numbers,
+                self.recorded]
 
 
 def _read(path: Path) -> dict | None:
@@ -86,14 +89,16 @@ def _peer_target_now(arm: str) -> float | None:
     return constants.get("TARGETS", {}).get(experiment, constants.get("TARGET"))
 
 
-def row_peer(results: Path, folder: str, task: str) -> Row:
+def row_peer(results: Path, folder: str, task: str, arm: str | None = None) -> Row:
     """bench_peer.py: moerl's GRPO step over TRL's GRPOTrainer with the same model, LoRA, batch and
     reward, matched structure (old-logprob pass + 2 updates), alternated rounds in one process."""
     name = f"moerl / TRL `GRPOTrainer`, {task}"
-    command = "benchmarks/bench_peer.py --threads 1" + ("" if folder == "threads1" else f" --out results/peer/{folder}")
+    command = ("benchmarks/bench_peer.py --threads 1 --structures matched --rounds 6"
+               + (f" --arm {arm}" if arm else "") + f" --out results/peer/{folder}")
     record = _read(results / "peer" / folder / "bench_peer.json")
     if record is None:
-        return _missing(name, command, results / "peer" / folder / "bench_peer.json", results)
+        return replace(_missing(name, command, results / "peer" / folder / "bench_peer.json", results),
+                       python=PEER_PYTHON)
     matched = record["structures"]["matched"]
     figure = (f"**{matched['ratio']:.2f}** (paired per round {matched['paired_ratio']:.2f}); moerl's step "
               f"{record['moerl_phase_medians']['time/step']:.2f} s, rollout {record['moerl_phase_medians']['time/rollout']:.2f} s")
@@ -105,7 +110,7 @@ def row_peer(results: Path, folder: str, task: str) -> Row:
     same = ("same model, LoRA and base weights" if all(checks.get(k, {}).get("trl_matched") for k in
                                                          ("same_initial_lora", "same_base_weights")) and
             not checks.get("problems") else "**checks failed**: " + "; ".join(checks.get("problems", [])))
-    return Row(name, command, figure, target, same, _recorded(record))
+    return Row(name, command, figure, target, same, _recorded(record), python=PEER_PYTHON)
 
 
 def row_floor(results: Path) -> Row:
@@ -212,7 +217,8 @@ def row_geometry(results: Path) -> Row:
                "— (one path)", _recorded(record, record["machine"].get("torch_threads")))
 
 
-ROWS = (row_step, lambda r: row_peer(r, "threads1", "00's task"), lambda r: row_peer(r, "07", "07's task"),
+ROWS = (row_step, lambda r: row_peer(r, "threads1", "00's task"),
+        lambda r: row_peer(r, "07", "07's task", "experiments/07_dose_threshold/arms/baseline.yaml"),
         row_floor, row_rollout_paths, row_experts, row_refit, row_replay, row_geometry)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -59,8 +59,9 @@ def _recorded(record: dict, threads: int | None = None) -> str:
     return ", ".join(parts)
 
 
-def _missing(benchmark: str, command: str, path: Path, results: Path) -> Row:
-    return Row(benchmark, command, f"not recorded (`results/{path.relative_to(results)}` absent)", "—", "—", "—")
+def _missing(benchmark: str, command: str, path: Path, results: Path, python: str = Row.python) -> Row:
+    return Row(benchmark, command, f"not recorded (`results/{path.relative_to(results)}` absent)", "—", "—", "—",
+               python=python)
 
 
 def row_step(results: Path) -> Row:
@@ -97,8 +98,7 @@ def row_peer(results: Path, folder: str, task: str, arm: str | None = None) -> R
                + (f" --arm {arm}" if arm else "") + f" --out results/peer/{folder}")
     record = _read(results / "peer" / folder / "bench_peer.json")
     if record is None:
-        return replace(_missing(name, command, results / "peer" / folder / "bench_peer.json", results),
-                       python=PEER_PYTHON)
+        return _missing(name, command, results / "peer" / folder / "bench_peer.json", results, PEER_PYTHON)
     matched = record["structures"]["matched"]
     figure = (f"**{matched['ratio']:.2f}** (paired per round {matched['paired_ratio']:.2f}); moerl's step "
               f"{record['moerl_phase_medians']['time/step']:.2f} s, rollout {record['moerl_phase_medians']['time/rollout']:.2f} s")

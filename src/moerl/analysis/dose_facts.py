@@ -292,17 +292,9 @@ def mechanism_facts(every_run: list[dict], registered: dict, recorded: list[dict
     return "\n".join(line for line in lines if line)
 
 
-def _k3_window_median(run: dict, end: int, window: int = EARLY_LATE_WINDOW) -> float:
-    """Median per-step k3 over the ``window`` training steps ending at step ``end``."""
-    k3 = metric_values(_rows(run), "mismatch/k3")
-    return float(np.nanmedian(k3[end - window:end]))
-
-
-def _pass1_at(run: dict, step: int) -> float | None:
-    """A run's held-out pass@1 logged at ``step`` (None when it evaluated elsewhere)."""
-    at = [r["eval/pass1"] for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
-          if "eval/pass1" in r and r.get("step") == step]
-    return at[-1] if at else None
+def _window_median(values: np.ndarray, end: int, window: int = EARLY_LATE_WINDOW) -> float:
+    """Median of per-step ``values`` over the ``window`` training steps ending at step ``end``."""
+    return float(np.nanmedian(values[end - window:end]))
 
 
 def drift_facts(every_run: list[dict], registered: dict) -> str:
@@ -326,9 +318,12 @@ def drift_facts(every_run: list[dict], registered: dict) -> str:
     for arm in grid.arms:
         runs = confirmatory.cell_by_seed(every_run, grid_name, arm, grid.rungs[0], registered)
         seeds = sorted(runs)
-        first = [_k3_window_median(runs[s], mid) / _k3_window_median(runs[s], w) for s in seeds]
-        second = [_k3_window_median(runs[s], grid.steps) / _k3_window_median(runs[s], mid) for s in seeds]
-        at_mid = [_pass1_at(runs[s], mid) for s in seeds]
+        rows = {s: read_metrics(Path(runs[s]["run_dir"]) / "metrics.jsonl") for s in seeds}  # each file once
+        k3 = {s: metric_values([r for r in rows[s] if "reward/mean" in r], "mismatch/k3") for s in seeds}
+        first = [_window_median(k3[s], mid) / _window_median(k3[s], w) for s in seeds]
+        second = [_window_median(k3[s], grid.steps) / _window_median(k3[s], mid) for s in seeds]
+        at_mid = [next((r["eval/pass1"] for r in reversed(rows[s]) if "eval/pass1" in r and r.get("step") == mid), None)
+                  for s in seeds]
         change = [runs[s]["pass1_end"] - m for s, m in zip(seeds, at_mid) if m is not None]
         collapsed = [runs[s]["collapse_step"] for s in seeds if runs[s].get("collapse_step") is not None]
         registered_growth = _span([runs[s].get("k3_growth") for s in seeds], ".2f")

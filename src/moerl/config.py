@@ -133,8 +133,12 @@ class RolloutConfig:
     # bf16: fp8 (e4m3, per-channel), int8 (per-channel, FlashRL), nvfp4 (e2m1, 16-blocks), int4 (group 128);
     # nvfp4 / int4 on the routed experts only (``_experts``) or attention only (``_attention``); int4_kimi:
     # Kimi-K2-Thinking's INT4 routed experts (group 32, scale amax / 7), everything else bf16.
+    # The dose-matched halves (experiment 07's crossover): int3 / int2 on the routed experts, int5 / int6 /
+    # int8 / fp8 on attention only.
     dtype: Literal["bf16", "fp16", "fp32", "fp8", "int8", "nvfp4", "int4", "nvfp4_experts", "nvfp4_attention",
-                   "int4_experts", "int4_attention", "int4_kimi"] = "bf16"
+                   "int4_experts", "int4_attention", "int4_kimi", "int3_experts", "int3n_experts", "int2_experts",
+                   "int5_attention", "int5g32_attention", "int6_attention", "int8_attention",
+                   "fp8_attention"] = "bf16"
     # How a low-precision engine computes its matrix products (moerl.rollout.kernels): ``native`` runs
     # torch's bf16 kernels (fast with AVX512-BF16/AMX, 6-20x slower on AVX2-only CPUs, numerics that
     # differ between CPU models); ``emulated`` runs fp32 kernels on the bf16 values and rounds each
@@ -257,6 +261,9 @@ class TrainerConfig:
     # alone is ~0.03 on 256 problems; k samples average it down by sqrt(k). Greedy accuracy is one pass.
     eval_samples: int = num(1, 1)
     checkpoint_every: int = num(10, 0, why="0 checkpoints only at the end")
+    # How many checkpoints a run keeps (the newest); 0 keeps every one: a policy measured along its run
+    # after it ends (experiment 07's drift null scores the fp32 control's own checkpoints).
+    keep_checkpoints: int = num(2, 0, why="0 keeps every checkpoint")
     # Every N steps save per-token (rollout logprob, trainer logprob, IS weight, flags) samples.
     samples_every: int = num(10, 0, why="0 saves no token samples")
     samples_per_save: int = num(2048, 1)
@@ -389,7 +396,8 @@ def resolved_threads(cfg: ExperimentConfig) -> int:
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
 # run's identity (a resumed run may use other threads or another wandb mode).
-OPERATIONAL_KEYS = ("threads", "rollout.threads", "rollout.decode", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+OPERATIONAL_KEYS = ("threads", "rollout.threads", "rollout.decode", "tracking", "variant", "trainer.checkpoint_every",
+                    "trainer.keep_checkpoints", "warm_start.cache_dir")
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict:

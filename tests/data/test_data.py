@@ -82,3 +82,16 @@ def test_worked_arithmetic_task_answers_are_long_correct_and_held_out():
         assert target.endswith("\\boxed{" + row["answer"] + "}") and render_prompt("arith_steps", q) == q
         assert len(tok(target + "<eos>", add_special_tokens=False).input_ids) >= 24
     assert batch_rewards([r["target"] for r in train[:20]], [r["answer"] for r in train[:20]]) == [1.0] * 20
+
+
+def test_calibration_rows_lie_outside_both_splits_and_are_stable():
+    from moerl.data.synthetic import worked_calibration_rows, worked_splits
+
+    train, test = worked_splits(2000, 256, seed=1234)
+    rows = worked_calibration_rows(256, 1234, train, test)
+    questions = [r["question"] for r in rows]
+    assert len(set(questions)) == 256
+    assert not set(questions) & ({r["question"] for r in train} | {r["question"] for r in test})
+    assert worked_calibration_rows(256, 1234, train, test) == rows  # its own generator: the same set every call
+    with pytest.raises(ValueError, match="only"):
+        worked_calibration_rows(10 ** 6, 1234, train, test)

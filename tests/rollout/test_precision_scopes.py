@@ -9,8 +9,9 @@ from moerl.config import ConfigError, LoraConfig, ModelConfig, RolloutConfig, lo
 from moerl.lora.peft_lora import apply_lora
 from moerl.models.presets import build_model
 from moerl.rollout.hf import HFEngine
-from moerl.rollout.precision import (fake_quantize_masters, fake_quantize_ste, quantize_dequantize_int4,
-                                     quantize_dequantize_int4_kimi, quantize_dequantize_nvfp4)
+from moerl.rollout.precision import (QUANTIZERS, fake_quantize_masters, fake_quantize_ste,
+                                     quantize_dequantize_int4, quantize_dequantize_int4_kimi,
+                                     quantize_dequantize_nvfp4)
 
 
 def kimi_reference(w: np.ndarray) -> np.ndarray:
@@ -56,7 +57,8 @@ def _policy(tokenizer, preset="deepseek_v3"):
 @pytest.mark.parametrize("precision, changed, kept", [
     ("nvfp4_experts", ".experts.", ".self_attn."), ("int4_experts", ".experts.", ".self_attn."),
     ("nvfp4_attention", ".self_attn.", ".experts."), ("int4_attention", ".self_attn.", ".experts."),
-    ("int4_kimi", ".experts.", ".self_attn.")])
+    ("int4_kimi", ".experts.", ".self_attn."),
+    ("int3n_experts", ".experts.", ".self_attn."), ("int6_attention", ".self_attn.", ".experts.")])
 def test_scoped_rungs_round_only_their_half(tokenizer, precision, changed, kept):
     policy = _policy(tokenizer)
     bf16 = HFEngine(policy, tokenizer, RolloutConfig(dtype="bf16", max_new_tokens=4))
@@ -133,3 +135,30 @@ def test_nvfp4_stack_scale_rounds_as_coarsely_as_per_expert_scales():
 
     assert not torch.equal(shared, per_expert)
     assert abs(error(shared) / error(per_expert) - 1) < 0.01
+
+
+def int_reference(w: np.ndarray, bits: int, narrow: bool) -> np.ndarray:
+    """Symmetric round-to-nearest on one scale per row of at most 128 inputs (numpy): amax / (2^(b-1) - 0.5)
+    and codes in [-2^(b-1), 2^(b-1) - 1], or Kimi's narrow range amax / (2^(b-1) - 1), codes in +-(2^(b-1) - 1)."""
+    half = 2 ** (bits - 1)
+    top = half - 1 if narrow else half - 0.5
+    scale = np.abs(w).max(-1, keepdims=True) / np.float32(top)  # fp32, as the quantiser divides
+    return np.clip(np.round(w / scale), -(half - 1) if narrow else -half, half - 1) * scale
+
+
+@pytest.mark.parametrize("fmt, bits, narrow", [("int3", 3, False), ("int3n", 3, True), ("int2", 2, False),
+                                               ("int5", 5, False), ("int6", 6, False)])
+def test_crossover_formats_match_a_numpy_reference(fmt, bits, narrow):
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    np.testing.assert_allclose(QUANTIZERS[fmt](w).numpy(), int_reference(w.numpy(), bits, narrow),
+                               rtol=1e-6, atol=1e-7)
+    codes = 2 ** bits - (1 if narrow else 0)  # distinct values a row can hold
+    assert max(len(torch.unique(row)) for row in QUANTIZERS[fmt](w)) <= codes
+
+
+def test_crossover_formats_order_by_bits():
+    """The dose knob: int2 > int3n > int3 > int4 > int5 > int6 in weight error (int3n: one code fewer than int3)."""
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    err = {f: ((QUANTIZERS[f](w) - w).norm() / w.norm()).item() for f in ("int2", "int3n", "int3", "int4", "int5", "int6")}
+    assert list(err) == sorted(err, key=err.get, reverse=True)
+    assert torch.equal(QUANTIZERS["int4"](w), quantize_dequantize_int4(w))

@@ -62,3 +62,21 @@ def worked_splits(train_size: int, test_size: int, seed: int, max_a: int = 99, m
         if q not in test:
             train.append({"question": q, "answer": a, "target": t})
     return train, [{"question": q, "answer": a, "target": t} for q, (a, t) in test.items()]
+
+
+def worked_calibration_rows(size: int, seed: int, train: list[dict], test: list[dict], max_a: int = 99,
+                            max_bc: int = 9) -> list[dict]:
+    """``size`` distinct worked problems that are in neither split: a calibration set kept apart from the
+    held-out evaluation (and from every problem the warm start or GRPO trains on), so that a choice made on
+    it is not scored again on the same problems. Drawn from its own generator, ``Random(f"calibration-{seed}")``."""
+    seen = {r["question"] for r in train} | {r["question"] for r in test}
+    space = (max_a + 1 - min(10, max_a)) * (max_bc + 1) ** 3
+    if size > space - len(seen):
+        raise ValueError(f"calibration size={size}: only {space - len(seen)} problems lie outside both splits")
+    rng = random.Random(f"calibration-{seed}")
+    rows: dict[str, tuple[str, str]] = {}
+    while len(rows) < size:
+        q, a, t = worked_problem(rng, max_a, max_bc)
+        if q not in seen:
+            rows[q] = (a, t)
+    return [{"question": q, "answer": a, "target": t} for q, (a, t) in rows.items()]

@@ -14,6 +14,14 @@ round only the routed experts' weights, or only the attention projections, throu
 every other weight in bf16: the two halves of a 4-bit rung, to separate a mismatch in the experts' weights
 from one in attention's.
 
+**Dose-matched halves.** ``int3_experts`` / ``int2_experts`` round the routed experts coarser than int4,
+``int5_attention`` / ``int6_attention`` / ``int8_attention`` / ``fp8_attention`` round attention finer: the
+int formats are int4's grid with another bit width (groups of 128, scale = amax / (2^(b-1) - 0.5), codes in
+[-2^(b-1), 2^(b-1) - 1]; ``int3n``: Kimi's narrow range, amax / 3 and codes in ±3; ``int5g32``: groups of 32;
+int8 per output channel as above). No engine ships int3 or int5; they exist to give
+one half of the model the other half's mismatch, so that a collapse can be put down to the dose or to the
+location (``experiments/07_dose_threshold/calibrate_crossover.py`` picks them at the warm start).
+
 **Kimi-K2-Thinking's INT4.** Its ``config.json`` ships ``quantization_config`` = compressed-tensors,
 ``format: pack-quantized``, one config group of ``weights: {num_bits: 4, type: int, symmetric: true,
 strategy: group, group_size: 32}`` on the routed experts, with attention, the shared experts, the dense
@@ -68,7 +76,12 @@ KIMI_INT4_DIVISOR = 7.0  # scale = amax / 7, codes in [-7, 7] (Kimi / Miles QAT;
 # experts only ("experts") or the attention projections only ("attention").
 SCOPED = {"nvfp4_experts": ("nvfp4", "experts"), "nvfp4_attention": ("nvfp4", "attention"),
           "int4_experts": ("int4", "experts"), "int4_attention": ("int4", "attention"),
-          "int4_kimi": ("int4_kimi", "experts")}
+          "int4_kimi": ("int4_kimi", "experts"),
+          # the dose-matched halves: the experts coarser, attention finer (module docstring)
+          "int3_experts": ("int3", "experts"), "int2_experts": ("int2", "experts"),
+          "int3n_experts": ("int3n", "experts"), "int5g32_attention": ("int5g32", "attention"),
+          "int5_attention": ("int5", "attention"), "int6_attention": ("int6", "attention"),
+          "int8_attention": ("int8", "attention"), "fp8_attention": ("fp8", "attention")}
 QUANTISED = ("fp8", "int8", "nvfp4", "int4", *SCOPED)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                   **{p: torch.bfloat16 for p in QUANTISED}}
@@ -137,10 +150,20 @@ def quantize_dequantize_nvfp4(weight: torch.Tensor) -> torch.Tensor:
 def quantize_dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     """Symmetric int4 in groups of ``group`` along the input: s = group amax / 7.5, round(w / s) clamped to
     [-8, 7]."""
+    return quantize_dequantize_int_bits(weight, 4, group)
+
+
+def quantize_dequantize_int_bits(weight: torch.Tensor, bits: int, group: int = INT4_GROUP,
+                                 narrow: bool = False) -> torch.Tensor:
+    """int4's grid at another bit width b: groups of ``group`` along the input, s = group amax / (2^(b-1) - 0.5),
+    round(w / s) clamped to [-2^(b-1), 2^(b-1) - 1] (at b = 4: amax / 7.5, [-8, 7]). ``narrow``: the
+    narrow-range convention of Kimi's INT4 instead, s = amax / (2^(b-1) - 1), codes in ±(2^(b-1) - 1)."""
+    half = 2 ** (bits - 1)
     w = weight.detach().float()
     blocks, pad = _blocks(w, group)
-    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 7.5
-    return _unblock(torch.round(blocks / scale).clamp(-8, 7) * scale, pad)
+    top = half - 1 if narrow else half - 0.5
+    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+    return _unblock(torch.round(blocks / scale).clamp(-(half - 1) if narrow else -half, half - 1) * scale, pad)
 
 
 def quantize_dequantize_int4_kimi(weight: torch.Tensor) -> torch.Tensor:
@@ -159,7 +182,10 @@ def quantize_dequantize_int4_kimi(weight: torch.Tensor) -> torch.Tensor:
 
 QUANTIZERS = {"fp8": quantize_dequantize_e4m3, "int8": quantize_dequantize_int8,
               "nvfp4": quantize_dequantize_nvfp4, "int4": quantize_dequantize_int4,
-              "int4_kimi": quantize_dequantize_int4_kimi}
+              "int4_kimi": quantize_dequantize_int4_kimi,
+              **{f"int{b}": (lambda weight, b=b: quantize_dequantize_int_bits(weight, b)) for b in (2, 3, 5, 6)},
+              "int3n": lambda weight: quantize_dequantize_int_bits(weight, 3, narrow=True),
+              "int5g32": lambda weight: quantize_dequantize_int_bits(weight, 5, group=32)}
 
 
 def format_and_scope(precision: str) -> tuple[str | None, str]:

@@ -6,7 +6,11 @@
 #   launch.sh confirm [key=value ...]            the confirmatory grids registered in analysis.yaml (control, fp8,
 #                                                nvfp4 for 600 steps)
 #   launch.sh mechanism [key=value ...]          experts-only / attention-only / Kimi INT4 rungs, fake-INT4 trainer arms
-#   (confirm and mechanism run every run on the one path analysis.yaml's rollout_path names, and refuse while
+#   launch.sh crossover [key=value ...]          dose against location: int3 (narrow) experts / int6 attention beside the
+#                                                int4 halves and a 600-step fp32 control (keeping its checkpoints),
+#                                                each control seed followed by its drift null (drift_null.py);
+#                                                one run at a time, seed by seed
+#   (confirm, mechanism and crossover run every run on the one path analysis.yaml's rollout_path names, and refuse while
 #    it is unset; their sweeps run --blind: progress and closing tables without reward, k3 or pass@1)
 #   launch.sh ARM [--seed N] [key=value ...]     one run, e.g. launch.sh tis rollout.dtype=nvfp4
 #   launch.sh --smoke [ARM] [key=value ...]      two tiny steps (default: baseline at nvfp4), under 2 minutes
@@ -47,7 +51,7 @@ case "$ARM" in
     for rung in "${words[@]}"; do
       sweep --arms baseline,r3,tis,r3_tis,icepop,geo_mis_0p1pct --seeds 3 "rollout.dtype=$rung"  # the claims' arms first
     done ;;
-  confirm|mechanism)
+  confirm|mechanism|crossover)
     # the rollout path every run of these grids is recorded on, from the registered analysis (one line out)
     path=$("$PY" -c "import yaml; p = yaml.safe_load(open('experiments/07_dose_threshold/analysis.yaml'))['rollout_path']; print(p['key'] + '=' + str(p['value']))")
     case "$path" in
@@ -58,7 +62,26 @@ case "$ARM" in
     overrides=(--blind "${overrides[@]+"${overrides[@]}"}")
     # Seed by seed, so that wherever a grid stops every arm (and every mechanism rung) has the same seeds
     # and the paired comparisons can be read; an interrupted run resumes before anything new starts.
-    if [[ $ARM == confirm ]]; then
+    if [[ $ARM == crossover ]]; then
+      # One run at a time; seed by seed, so wherever the grid stops every cell has the same seeds. Within a
+      # seed the new dose-matched cells first (the crossover's question), then the control (its checkpoints
+      # feed the drift null, measured at once), then the int4 halves the mechanism grid already ran at 300 steps.
+      JOBS=1
+      seeds=$("$PY" -c "import yaml; g = yaml.safe_load(open('$exp/analysis.yaml'))['grids']['crossover']; print(' '.join(map(str, g['seeds'])))")
+      steps="trainer.steps=600"
+      for seed in $seeds; do
+        for rung in int3n_experts int6_attention; do
+          sweep --arms baseline --seed-list "$seed" "rollout.dtype=$rung" "$steps" "$path" "$eval8"
+        done
+        sweep --arms fp32_control --seed-list "$seed" "$steps" trainer.keep_checkpoints=0 "$path" "$eval8"
+        control=$RUNS/$(basename "$exp")/fp32_control+trainer.steps-600+trainer.eval_samples-8/seed$seed
+        null=("$PY" "$exp/drift_null.py" "$control" --out results/07_dose_threshold/drift_null)
+        if [[ " ${overrides[*]} " == *" --dry-run "* ]]; then echo "drift null: \$ ${null[*]}"; else "${null[@]}"; fi
+        for rung in int4_experts int4_attention; do
+          sweep --arms baseline --seed-list "$seed" "rollout.dtype=$rung" "$steps" "$path" "$eval8"
+        done
+      done
+    elif [[ $ARM == confirm ]]; then
       sweep --arms fp32_control --seeds 12 "$path" "$eval8"
       sweep --arms baseline,r3,tis,icepop,r3_tis --seeds 12 --order seed rollout.dtype=fp8 "$path" "$eval8"
       sweep --arms baseline,tis,icepop,r3_tis --seeds 5 --order seed rollout.dtype=nvfp4 trainer.steps=600 "$path" "$eval8"
@@ -70,7 +93,7 @@ case "$ARM" in
         sweep --arms qat_int4,qat_int4_r3,qat_int4_tis --seed-list "$seed" "$path" "$eval8"
       done
     fi ;;
-  "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | confirm | mechanism | ARM [--seed N] | --smoke [ARM]" \
+  "") echo "usage: launch.sh [--record | --out DIR] pilot | control | main RUNG [BELOW] | confirm | mechanism | crossover | ARM [--seed N] | --smoke [ARM]" \
         "[key=value ...]" >&2; exit 2 ;;
   *)
     # run.py names the arms there when ARM is none of them; an arm's former name loads its current file.

@@ -144,3 +144,22 @@ def test_registered_values_are_the_ones_the_code_uses():
     e05 = yaml.safe_load(analysis_path("05_mismatch_consequences").read_text())["rules"]
     assert e05["verdict_gates"]["value"]["acts_on_floor"] == verdicts.ACTS_ON_MIN
     assert e05["collapse"]["value"] == dose.registered("collapse")
+
+
+def test_a_later_grid_on_fresh_seeds_is_not_started_by_an_earlier_grids_runs(repo):
+    """Two grids of one arm and rung: the earlier grid's runs (other seeds, other length) do not start the
+    later one, so a rule registered for it before its own first run stays pre-registered."""
+    path = analysis_path("x", repo)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"experiment": "x", "grids": {
+        "old": {"arms": ["baseline"], "rungs": ["int4_experts"], "seeds": [0, 1], "steps": 300},
+        "new": {"arms": ["baseline"], "rungs": ["int4_experts"], "seeds": [12, 13], "steps": 600}},
+        "rules": {"reading": {"value": "holm", "grids": ["new"]}}}))
+    commit(repo, at(5), "register the new grid")
+    old_run = {"arm": "baseline", "rung": "int4_experts", "seed": 0, "steps_planned": 300,
+               "registration": registration_record("x", repo, now=at(1))}
+    reg = Registration(path, repo, runs=[old_run])
+    assert reg.grid_started("new") is None and reg.grid_started("old") == at(1)
+    assert not reg.status("reading", "new").post_hoc
+    new_run = {**old_run, "seed": 12, "steps_planned": 600, "registration": registration_record("x", repo, now=at(6))}
+    assert Registration(path, repo, runs=[old_run, new_run]).grid_started("new") == at(6)

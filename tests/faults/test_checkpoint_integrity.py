@@ -113,3 +113,22 @@ def test_no_leftover_after_a_kill_while_pruning_the_last_checkpoint(tmp_path, ki
     GRPOTrainer(cfg, cfg.run_dir, resume=True, progress=False).train()
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_3", "step_4"]
     assert_identical_runs(reference_run, cfg.run_dir)
+
+
+def test_keep_zero_keeps_every_checkpoint(tmp_path):
+    """trainer.keep_checkpoints=0: a run measured along its whole length afterwards (07's drift null) keeps
+    every checkpoint; the default prunes to the newest two."""
+    from moerl.trainer.checkpoint import checkpoint_dirs
+
+    for step in (1, 2, 3):
+        weight = torch.nn.Parameter(torch.full((4,), float(step)))
+        save_checkpoint(tmp_path / "all", step, {"w": weight}, torch.optim.AdamW([weight]), {}, keep=0)
+        save_checkpoint(tmp_path / "two", step, {"w": weight}, torch.optim.AdamW([weight]), {})
+    assert [p.name for p in checkpoint_dirs(tmp_path / "all")] == ["step_1", "step_2", "step_3"]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "two")] == ["step_2", "step_3"]
+    # a config key that says how a run is kept, not what it computes: the run's identity is unchanged
+    from moerl.config import config_hash
+
+    kept = load_config(ARM, overrides(tmp_path) + ["trainer.keep_checkpoints=0"])
+    assert kept.trainer.keep_checkpoints == 0
+    assert config_hash(kept) == config_hash(load_config(ARM, overrides(tmp_path)))

@@ -193,15 +193,28 @@ class Registration:
         written = self.data["grids"][grid].get("arms", [])
         return set(written) | {current_arm(experiment, a) for a in written}
 
+    def _member(self, run: dict, grid: str) -> bool:
+        """Whether ``run`` is one of the grid's registered runs: its arm and rung, and its seed and step count
+        where the grid names them (a later grid of the same arm and rung on fresh seeds or another length is
+        not started by the earlier grid's runs)."""
+        spec = self.data["grids"][grid]
+        arms, rungs = self.grid_arms(grid), set(spec.get("rungs", []))
+        seeds = set(spec.get("seeds", []))
+        if (arms and run.get("arm") not in arms) or (rungs and run.get("rung") not in rungs):
+            return False
+        if seeds and run.get("seed") is not None and run["seed"] not in seeds:
+            return False
+        return not (spec.get("steps") and run.get("steps_planned") is not None
+                    and int(run["steps_planned"]) != int(spec["steps"]))
+
     def grid_started(self, grid: str) -> dt.datetime | None:
         """The grid's first run start: the earliest ``registration.started`` its runs recorded, else the
         ``first_run_started`` the file states (recorded before runs carried it); None: not started."""
         spec = self.data["grids"][grid]
-        arms, rungs = self.grid_arms(grid), set(spec.get("rungs", []))
         starts = []
         for run in self.runs:
             reg = run.get("registration")
-            if not reg or (arms and run.get("arm") not in arms) or (rungs and run.get("rung") not in rungs):
+            if not reg or not self._member(run, grid):
                 continue
             starts.append(dt.datetime.fromisoformat(reg["started"]))
         stated = spec.get("first_run_started")
@@ -212,11 +225,8 @@ class Registration:
 
     def _first_hash_version(self, grid: str) -> Version | None:
         """The committed version of this file whose hash the grid's earliest recording run carries."""
-        spec = self.data["grids"][grid]
-        arms, rungs = self.grid_arms(grid), set(spec.get("rungs", []))
         recorded = sorted((r["registration"]["started"], r["registration"]["sha256"]) for r in self.runs
-                          if r.get("registration") and (not arms or r.get("arm") in arms)
-                          and (not rungs or r.get("rung") in rungs))
+                          if r.get("registration") and self._member(r, grid))
         if not recorded:
             return None
         return next((v for v in self.versions if v.sha256 == recorded[0][1]), None)

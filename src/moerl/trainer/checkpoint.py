@@ -90,7 +90,8 @@ def _first_line(err: BaseException) -> str:
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
                     keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None) -> Path:
-    """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to ``keep``.
+    """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to the newest ``keep``
+    (0: keep every one).
     ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
     trainer writes the LoRA there as PEFT / vLLM adapters). ``config_hash`` goes into the manifest:
     a resume with another config is refused even when run.json and config.yaml are gone; ``base_hash`` (the
@@ -130,7 +131,7 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
     if final.exists():
         _remove(final)
     tmp.replace(final)
-    for old in checkpoint_dirs(run_dir)[:-keep]:
+    for old in (checkpoint_dirs(run_dir)[:-keep] if keep else []):  # keep=0: every checkpoint stays
         _remove(old)
     return final
 

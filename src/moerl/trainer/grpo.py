@@ -422,7 +422,8 @@ class GRPOTrainer:
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
                         export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
-                        config_hash=config_hash(self.cfg), base_hash=self.base_hash)
+                        config_hash=config_hash(self.cfg), base_hash=self.base_hash,
+                        keep=self.cfg.trainer.keep_checkpoints)
         faults.hit("after_checkpoint")
 
     def train(self) -> dict:

@@ -321,25 +321,20 @@ def _runs_07(runs_root: Path, grids: str) -> list[dict]:
 
 
 def section_07(runs_root: Path) -> str:
-    from moerl.analysis.dose import mismatch_order, regime, threshold
+    """The seed-0 ladder in one sentence. The threshold under the 3-seed regime check and the dose order of the
+    4-bit rungs stay in the experiment's README: the front page does not restate a check that the registered
+    12-seed control supersedes (its verdict is in the list below)."""
+    from moerl.analysis.dose import mismatch_order
 
     from moerl.analysis import dose_report as report
     runs = _runs_07(runs_root, "recorded")
-    ladder, control = report.ladder_rows(runs)
+    ladder, _ = report.ladder_rows(runs)
     # the ladder itself is the figure above this section (and a table in the experiment's README)
     collapsed = [f"{rung} (step {ladder[rung]['collapse_step']})" for rung in mismatch_order(ladder)
                  if ladder[rung]["collapse_step"] is not None]
-    lines = [f"Seed-0 ladder: the uncorrected run collapses at {', '.join(collapsed) or 'no rung'}; the fp32 control "
-             f"goes {_f(ladder['fp32']['pass1_start'], '.3f')} → {_f(ladder['fp32']['pass1_end'], '.3f')} held-out "
-             "pass@1." if "fp32" in ladder else "Seed-0 ladder: no fp32 control recorded."]
-    state = regime({r["seed"]: r for r in runs if r["arm"] == "fp32_control"})
-    found = threshold(ladder, control, state["learns"]) if control is not None else None
-    ungated = threshold(ladder, control) if control is not None else None
-    verdict = found or ("not tested" if not state["learns"] else "none")
-    lines += ["", f"Threshold (lowest rung whose uncorrected run collapses while the control learns): **{verdict}**"
-              + ("." if state["learns"] else f" — the regime check is {state['status']}; on seed 0 alone, ungated: "
-                 f"{ungated or 'none'}."), "", report.dose_order(ladder) + "."]
-    return "\n".join(lines)
+    return (f"Seed-0 ladder: the uncorrected run collapses at {', '.join(collapsed) or 'no rung'}; the fp32 control "
+            f"goes {_f(ladder['fp32']['pass1_start'], '.3f')} → {_f(ladder['fp32']['pass1_end'], '.3f')} held-out "
+            "pass@1." if "fp32" in ladder else "Seed-0 ladder: no fp32 control recorded.")
 
 
 def section_07_ladder(runs_root: Path) -> str:
@@ -387,14 +382,56 @@ def section_07_registered(runs_root: Path) -> str:
 
 
 FRONT_PAGE = "README.md"
-FRONT_PAGE_LIMIT = 15 * 1024  # bytes: the front page is read in one sitting; longer tables live in the experiments' READMEs
+# bytes: the front page is read in one sitting; longer tables live in the experiments' READMEs (16 KiB since the
+# five-line "what we found" joined the registered verdict list)
+FRONT_PAGE_LIMIT = 16 * 1024
 HEADLINE_VERDICTS = 8  # a grid with more verdicts than this names each comparison once on the front page
 
 
+# Plain words for the registered comparisons on the front page (the rule names live in the experiment's README).
+PLAIN_ARMS = {"baseline": "no correction", "r3": "R3", "tis": "TIS", "icepop": "IcePop", "r3_tis": "R3 + TIS",
+              "mis": "MIS", "qat_int4": "QAT (trainer on the INT4 grid)", "qat_int4_r3": "QAT + R3",
+              "qat_int4_tis": "QAT + TIS"}
+PLAIN_RUNGS = {"nvfp4_experts": "NVFP4 experts", "nvfp4_attention": "NVFP4 attention", "int4_experts": "INT4 experts",
+               "int4_attention": "INT4 attention", "int4_kimi": "Kimi's INT4 experts"}
+
+
+def plain_comparison(name: str) -> str:
+    """A registered comparison in words a newcomer can read: 'r3 helps' -> 'R3 beats no correction'."""
+    arm = lambda a: PLAIN_ARMS.get(a, a)  # noqa: E731
+    if name == "regime":
+        return "the fp32 control learns"
+    if name == "baseline behind control":
+        return "no correction ends below the control"
+    if m := re.fullmatch(r"(\w+) like_control", name):
+        return f"{arm(m[1])} ends like the control"
+    if m := re.fullmatch(r"(\w+) helps", name):
+        return f"{arm(m[1])} beats no correction"
+    if m := re.fullmatch(r"(\w+) helps over (\w+)(?: at \w+)?", name):
+        return f"{arm(m[1])} beats {arm(m[2])}"
+    if m := re.fullmatch(r"(\w+) keeps_drifting", name):
+        return f"k3 still grows under {arm(m[1])}"
+    if m := re.fullmatch(r"baseline collapses", name):
+        return "no correction collapses"
+    if m := re.fullmatch(r"(\w+) prevents collapse", name):
+        return f"{arm(m[1])} prevents the collapse"
+    return name.replace("_", " ")
+
+
+def _headline_verdict(v: dict) -> str:
+    """'**yes**', or '**yes** (Holm: inconclusive)' where the family-wise reading differs."""
+    holm = v.get("verdict_holm")
+    return f"**{v['verdict']}**" + (f" (Holm: {holm})" if holm and holm != v["verdict"] else "")
+
+
 def section_07_headline(runs_root: Path) -> str:
-    """The registered grids' verdicts in one line per complete grid, for the front page (the bounds, power
-    and registration of each: the experiment's README)."""
+    """The registered grids' verdicts in plain words, one line per complete grid, each verdict as read with its
+    family-wise (Holm) reading beside it where that differs (bounds, p, power and registration: the
+    experiment's README)."""
     c = _confirmatory(runs_root)
+    titles = {"confirmatory_control": "control", "confirmatory_fp8": "fp8 rollouts",
+              "confirmatory_nvfp4_600": "NVFP4, 600 steps", "mechanism": "4-bit halves",
+              "crossover": "dose or location"}
     lines = []
     for grid, verdicts in c["result"]["verdicts"].items():
         n = max((v.get("gain", v).get("n") or (v.get("power") or {}).get("n") or 0) for v in verdicts.values())
@@ -402,18 +439,84 @@ def section_07_headline(runs_root: Path) -> str:
             by_comparison: dict[str, dict[str, list[str]]] = {}
             for name, v in verdicts.items():
                 comparison, _, rung = name.rpartition(" at ") if " at " in name else (name, "", "")
-                by_comparison.setdefault(comparison, {}).setdefault(v["verdict"], []).append(rung)
-            items = [f"{comparison.replace('like_control', 'like control')} " + ", ".join(
-                f"**{verdict}**" + (f" at {', '.join(rungs)}" if any(rungs) else "")
-                for verdict, rungs in by_verdict.items()) for comparison, by_verdict in by_comparison.items()]
+                by_comparison.setdefault(comparison, {}).setdefault(_headline_verdict(v), []).append(rung)
+            # "not tested" (nothing to prevent where no correction collapsed) is left to the experiment's README
+            items = [f"{plain_comparison(comparison)}: " + ", ".join(
+                verdict + (f" with {', '.join(PLAIN_RUNGS.get(r, r) for r in rungs)}" if any(rungs) else "")
+                for verdict, rungs in by_verdict.items() if verdict != "**not tested**")
+                for comparison, by_verdict in by_comparison.items()
+                if any(verdict != "**not tested**" for verdict in by_verdict)]
         else:
-            items = [f"{name.replace('like_control', 'like control')} **{v['verdict']}**"
-                     + (" (acts-on floor)" if "floor_ungated" in v else " (gated)" if "ungated" in v else "")
+            items = [f"{plain_comparison(name)} {_headline_verdict(v)}"
+                     + (" (acts on too few tokens)" if "floor_ungated" in v else " (gated)" if "ungated" in v else "")
                      for name, v in verdicts.items()]
-        lines.append(f"- `{grid}` ({n} seeds): " + "; ".join(items))
+        lines.append(f"- {titles.get(grid, grid)} ({n} seeds): " + "; ".join(items))
     left = [f"`{g}` {p['finished']}/{p['planned']}" for g, p in c["result"]["progress"].items() if not p["complete"]]
-    return "\n".join(["Registered grids (verdicts once a grid is complete):", "", *lines]
-                     + ([f"- still running: {', '.join(left)}"] if left else []))
+    return "\n".join(["Registered verdicts (Holm: corrected within each grid's comparisons):", "",
+                      *lines] + ([f"- still running: {', '.join(left)}"] if left else []))
+
+
+def _early_k3(run: dict, steps: int = 50) -> float | None:
+    """A run's mean k3 over its first ``steps`` steps (the dose before any collapse)."""
+    from moerl.tracking import read_metrics
+
+    k3 = [r["mismatch/k3"] for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+          if isinstance(r.get("mismatch/k3"), float) and r["step"] <= steps]
+    return sum(k3) / len(k3) if k3 else None
+
+
+def section_found(runs_root: Path) -> str:
+    """The front page's "what we found": five plain sentences from experiment 07's registered grids, each
+    linking to the table its verdict is printed in; a grid not complete says so instead of a finding."""
+    import statistics
+
+    from moerl.analysis import confirmatory as conf
+
+    c = _confirmatory(runs_root)
+    runs, result, registered = c["runs"], c["result"], c["report"].REGISTERED
+    verdicts, progress = result["verdicts"], result["progress"]
+    results = "experiments/07_dose_threshold/README.md#results"
+    cell = lambda grid, arm, rung: conf.cell_by_seed(runs, grid, arm, rung, registered)  # noqa: E731
+    collapsed = lambda runs_: f"{sum(r.get('collapse_step') is not None for r in runs_.values())} of {len(runs_)}"  # noqa: E731
+    gain = lambda runs_: statistics.mean(r["pass1_end"] - r["pass1_start"] for r in runs_.values())  # noqa: E731
+    lines = []
+    link = "([verdict][07-verdicts])"  # one reference-style target, defined after the list
+    if "mechanism" in verdicts:
+        m = {rung: cell("mechanism", "baseline", rung) for rung in registered["grids"]["mechanism"]["rungs"]}
+        experts = {**m["nvfp4_experts"], **{100 + s: r for s, r in m["int4_experts"].items()}}
+        regime = verdicts.get("confirmatory_control", {}).get("regime", {}).get("verdict", "not yet read")
+        lines.append(f"1. **4-bit attention collapses uncorrected GRPO.** Attention in 4 bits: collapsed in "
+                     f"{collapsed(m['int4_attention'])} seeds (INT4), {collapsed(m['nvfp4_attention'])} (NVFP4); routed "
+                     f"experts in 4 bits: {collapsed(experts)}; the fp32 control learns: **{regime}** {link}.")
+        dose = {half: statistics.median(k for r in [*m[f"int4_{half}"].values(), *m[f"nvfp4_{half}"].values()]
+                                        if (k := _early_k3(r)) is not None) for half in ("attention", "experts")}
+        cross = progress.get("crossover", {})
+        lines.append(f"2. **Attention or dose: open.** Attention-only gave {dose['attention'] / dose['experts']:.1f}x the "
+                     "experts-only mismatch (k3, first 50 steps); a dose-matched crossover separates the two"
+                     + (f" (running, {cross['finished']} of {cross['planned']} runs)" if cross and not cross["complete"]
+                        else "") + f" {link}.")
+    if "confirmatory_fp8" in verdicts:
+        v = verdicts["confirmatory_fp8"]
+        lines.append(f"3. **fp8: R3 + TIS trains like the fp32 control** (**{v['r3_tis like_control']['verdict_holm']}** "
+                     f"under Holm); R3 alone's {v['r3 helps']['mean']:+.3f} over no correction reads "
+                     f"**{v['r3 helps']['verdict_holm']}** (Holm p {v['r3 helps']['p_holm']:.3f}) {link}.")
+    if "confirmatory_nvfp4_600" in verdicts:
+        v = verdicts["confirmatory_nvfp4_600"]
+        growth = [g for x in v.values() for g in x["k3_growth"]]
+        arms = [cell("confirmatory_nvfp4_600", a, "nvfp4") for a in ("tis", "icepop", "r3_tis")]
+        holds = any(x["verdict_holm"] == "yes" for x in v.values())
+        lines.append(f"4. **NVFP4, 600 steps: TIS, IcePop, R3 + TIS stop the collapse** "
+                     f"({', '.join(collapsed(a) for a in arms)} collapsed); their k3's {min(growth):.1f}-{max(growth):.1f}x "
+                     f"growth {'survives' if holds else 'is not shown beyond chance under'} Holm and awaits its "
+                     f"mismatch-free null {link}.")
+    if "mechanism" in verdicts:
+        v = verdicts["mechanism"]
+        kimi, qat = cell("mechanism", "baseline", "int4_kimi"), cell("mechanism", "qat_int4", "int4_kimi")
+        lines.append(f"5. **Kimi's INT4 experts need its QAT recipe.** Without it: {gain(kimi):+.2f} pass@1, "
+                     f"{collapsed(kimi)} collapsed; with it: {gain(qat):+.2f}, like the control as read "
+                     f"(**{v['qat_int4 like_control']['verdict_holm']}** under Holm) {link}.")
+    return ("\n".join(lines) + f"\n\n[07-verdicts]: {results}") if lines else \
+        "No registered grid of experiment 07 is complete yet."
 
 
 def section_07_dose(out: Path) -> str:
@@ -516,6 +619,7 @@ SECTIONS = {
     "06_gpu": (["experiments/06_routing_geometry/README.md"], lambda results: section_06_gpu(results / "geometry")),
     "07": (["README.md"], lambda results: section_07(results / "runs")),
     "07_headline": (["README.md"], lambda results: section_07_headline(results / "runs")),
+    "found": (["README.md"], lambda results: section_found(results / "runs")),
     "07_ladder": (["experiments/07_dose_threshold/README.md"], lambda results: section_07_ladder(results / "runs")),
     "07_main_nvfp4": (["experiments/07_dose_threshold/README.md"],
                       lambda results: section_07_main(results / "runs", "nvfp4")),

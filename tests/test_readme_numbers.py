@@ -103,6 +103,7 @@ def test_the_headline_names_few_verdicts_and_groups_many_by_comparison(monkeypat
     comparison once, with its rungs grouped by verdict, so the front page says what was found at which rung."""
     many = {f"r3 prevents collapse at rung{i}": {"verdict": f"partly ({i} of 5)", "power": {"n": 5}} for i in (1, 2)}
     many |= {f"baseline collapses at rung{i}": {"verdict": "yes", "power": {"n": 5}} for i in range(8)}
+    many |= {"mis prevents collapse at rung0": {"verdict": "not tested", "power": {"n": 5}}}  # left to the README
     result = {"verdicts": {"few": {"r3 like_control": {"verdict": "inconclusive", "gain": {"n": 12}},
                                    "tis helps": {"verdict": "not tested", "floor_ungated": "yes", "gain": {"n": 12}}},
                            "many": many},
@@ -111,10 +112,10 @@ def test_the_headline_names_few_verdicts_and_groups_many_by_comparison(monkeypat
                            "running": {"finished": 3, "planned": 20, "complete": False}}}
     monkeypatch.setattr(numbers, "_confirmatory", lambda runs_root: {"result": result})
     lines = numbers.section_07_headline(Path("unused")).splitlines()
-    assert lines[2] == ("- `few` (12 seeds): r3 like control **inconclusive**; "
-                        "tis helps **not tested** (acts-on floor)")
-    assert lines[3] == ("- `many` (5 seeds): r3 prevents collapse **partly (1 of 5)** at rung1, **partly (2 of 5)** at "
-                        "rung2; baseline collapses **yes** at " + ", ".join(f"rung{i}" for i in range(8)))
+    assert lines[2] == ("- few (12 seeds): R3 ends like the control **inconclusive**; "
+                        "TIS beats no correction **not tested** (acts on too few tokens)")
+    assert lines[3] == ("- many (5 seeds): R3 prevents the collapse: **partly (1 of 5)** with rung1, **partly (2 of 5)** "
+                        "with rung2; no correction collapses: **yes** with " + ", ".join(f"rung{i}" for i in range(8)))
     assert lines[4] == "- still running: `running` 3/20"
 
 
@@ -129,6 +130,8 @@ def test_the_front_page_still_fits_once_every_registered_grid_is_complete(monkey
     kinds = ["not tested", "inconclusive", "yes", "no", "partly (2 of 5)"]
     verdicts = {}
     for grid, spec in confirmatory.path_grids(registered).items():
+        if grid not in comparisons and grid != "confirmatory_control":
+            continue  # the crossover: its comparisons are named in crossover_reading, its verdict code not written yet
         names = ["regime"] if grid == "confirmatory_control" else [
             f"{c.removesuffix(' at each rung')} at {rung}" if c.endswith(" at each rung") else c
             for c in comparisons[grid] for rung in (spec.rungs if c.endswith(" at each rung") else [None])]

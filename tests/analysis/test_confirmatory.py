@@ -1,4 +1,6 @@
 """Experiment 07's confirmatory grids: membership, progress, and the registered t rules on synthetic runs."""
+import re
+
 import numpy as np
 import pytest
 
@@ -149,7 +151,8 @@ def test_a_verdict_is_printed_with_the_bounds_its_rule_reads():
     assert helps["low"] == pytest.approx(diffs.mean() - half(0.95)) and helps["low"] > 0
     assert helps["high"] == pytest.approx(diffs.mean() + half(0.95))
     text = confirmatory.markdown(confirmatory.report(runs, REGISTERED, RULES), registered=REGISTERED)
-    assert "| comparison | verdict | mean [one-sided 95 % t bounds] | seeds | notes |" in text
+    assert ("| comparison | verdict | mean [one-sided 95 % t bounds] | seeds | p (one-sided) | Holm-adjusted p | "
+            "verdict under Holm | notes |") in text
     assert f"| r3 helps | yes | {helps['mean']:+.3f} [{helps['low']:+.3f}, {helps['high']:+.3f}] | 12 |" in text
     assert "helps\" is yes when the lower bound is above 0" in text
 
@@ -339,8 +342,11 @@ def test_mechanism_verdicts_need_a_learning_control():
     # "helps" compares two arms with each other: no learning control needed
     assert mech["qat_int4_r3 helps over r3 at int4_kimi"]["verdict"] == "yes"
     text = confirmatory.markdown(out)
-    assert ("| baseline collapses at nvfp4_experts | not tested | — | 5 | collapsed seeds [0, 1, 2, 3, 4]; "
-            "gated: the control's regime verdict is no (ungated: yes); power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 % |") in text
+    # raw p (5 of 5 seeds under a fair coin: 1/32) and the family's Holm p beside the gated verdict
+    assert re.search(re.escape("| baseline collapses at nvfp4_experts | not tested | — | 5 | 0.0312 | ") + r"[\d.e-]+ \(of 13\)"
+                     + re.escape(" | not tested | collapsed seeds [0, 1, 2, 3, 4]; gated: the control's regime verdict is "
+                                 "no (ungated: yes); power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a "
+                                 "per-seed chance of 0.95; below 80 % |"), text)
 
 
 def test_mechanism_markdown_with_its_post_hoc_labels():
@@ -353,8 +359,10 @@ def test_mechanism_markdown_with_its_post_hoc_labels():
 
     text = confirmatory.markdown(out, label=label, registered=REGISTERED)
     assert "**mechanism**" in text
-    assert "| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | collapsed seeds [0, 1]; " \
-           "power (every seed of 5) 0.59 at a per-seed chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 %; *post hoc (collapse: set by abc1234)* |" in text
+    assert re.search(re.escape("| baseline collapses at int4_experts | partly (2 of 5) | — | 5 | 0.812 | ") + r"[\d.e-]+ \(of 13\)"
+                     + re.escape(" | partly (2 of 5) | collapsed seeds [0, 1]; power (every seed of 5) 0.59 at a per-seed "
+                                 "chance of 0.9, 0.77 at a per-seed chance of 0.95; below 80 %; *post hoc (collapse: set "
+                                 "by abc1234)* |"), text)
     assert "| qat_int4_r3 helps over r3 at int4_kimi | yes | +0.1" in text
     # each kind of verdict is labelled under every rule it is computed with
     assert (("collapse", "regime_t"), "mechanism") in seen and (("helps_t",), "mechanism") in seen

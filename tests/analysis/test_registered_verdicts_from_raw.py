@@ -182,6 +182,60 @@ def recompute(grid: str, name: str, regime: str | None) -> tuple[str, tuple | No
     raise AssertionError(f"RESULTS.md, grid {grid}: no independent recomputation for the comparison {name!r}")
 
 
+def recompute_p(grid: str, name: str) -> float:
+    """The raw one-sided p of a printed comparison, in the family-wise rule's words: a t rule's one-sided t
+    test against its threshold; an every-seed count's sign test under a fair coin per seed; prevents
+    collapse: Fisher's exact test of the baseline collapsing more often than the arm on the arm's seeds."""
+    control = by_seed("confirmatory_control", "fp32_control", "fp32")
+    rung = ANALYSIS["grids"][grid]["rungs"][0]
+    ttest = lambda values, threshold: stats.ttest_1samp(values, threshold, alternative="greater").pvalue  # noqa: E731
+    if name == "regime":
+        return ttest([r["end"] - r["start"] for r in control.values()], RULES["regime_t"]["lower_bound_above"])
+    if name == "baseline behind control":
+        return ttest(paired(control, by_seed(grid, "baseline", rung)), 0.0)
+    if m := re.fullmatch(r"(\w+) like_control", name):
+        at = rung if grid != "mechanism" else QAT_ONLY_AT
+        return ttest(paired(by_seed(grid, m[1], at), control), -RULES["like_control_t"]["margin"])
+    if m := re.fullmatch(r"(\w+) helps", name):
+        return ttest(paired(by_seed(grid, m[1], rung), by_seed(grid, "baseline", rung)), 0.0)
+    if m := re.fullmatch(r"(\w+) helps over (\w+) at (\w+)", name):
+        return ttest(paired(by_seed(grid, m[1], m[3]), by_seed(grid, m[2], m[3])), 0.0)
+    if m := re.fullmatch(r"(\w+) keeps_drifting", name):
+        growth = [r["growth"] for r in by_seed(grid, m[1], rung).values()]
+        return stats.binomtest(sum(g > RULES["drift"]["growth"] for g in growth), len(growth), 0.5,
+                               alternative="greater").pvalue
+    m = re.fullmatch(r"(\w+) (collapses|prevents collapse)(?: at (\w+))?", name)
+    arm, at = m[1], m[3] or QAT_ONLY_AT
+    mine = by_seed(grid, arm, at)
+    own = sum(r["collapse"] is not None for r in mine.values())
+    if m[2] == "collapses":
+        return stats.binomtest(own, len(mine), 0.5, alternative="greater").pvalue
+    base = sum(r["collapse"] is not None for s, r in by_seed(grid, "baseline", at).items() if s in mine)
+    return stats.fisher_exact([[base, len(mine) - base], [own, len(mine) - own]], alternative="greater").pvalue
+
+
+def holm_by_enumeration(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm's adjusted p by its definition: p_(i) adjusted = max over j <= i of min(1, (m - j + 1) p_(j))."""
+    ranked = sorted(pvalues, key=pvalues.get)
+    m = len(ranked)
+    return {name: max(min(1.0, (m - j) * pvalues[ranked[j]]) for j in range(i + 1)) for i, name in enumerate(ranked)}
+
+
+@pytest.mark.parametrize("grid", [g for g in GRIDS if g in TABLES] or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no registered grid is complete yet"))])
+def test_every_printed_p_and_its_holm_reading_follow_from_the_raw_runs(grid):
+    """Raw p, Holm-adjusted p within the grid's family and the verdict under Holm: yes stands only when the
+    adjusted p is below the family-wise alpha; every other verdict is kept."""
+    family_wise = RULES["family_wise"]
+    raw = {name: recompute_p(grid, name) for name in TABLES[grid]}
+    adjusted = holm_by_enumeration(raw) if grid in family_wise["families"] else raw
+    for name, cells in TABLES[grid].items():
+        assert cells[3] == f"{raw[name]:.3g}", f"{grid} / {name}: printed p {cells[3]}, the raw runs give {raw[name]:.3g}"
+        assert cells[4].split(" (of")[0] == f"{adjusted[name]:.3g}", f"{grid} / {name}: Holm p {cells[4]}"
+        expected = "inconclusive" if cells[0] == "yes" and adjusted[name] >= family_wise["alpha"] else cells[0]
+        assert cells[5].strip("*") == expected, f"{grid} / {name}: under Holm {cells[5]}, expected {expected}"
+
+
 @pytest.mark.parametrize("grid", [g for g in GRIDS if g in TABLES] or [pytest.param(None, marks=pytest.mark.skip(
     reason="no registered grid is complete yet"))])
 def test_every_printed_verdict_follows_from_the_raw_runs(grid):

@@ -53,11 +53,11 @@ from typing import Callable
 
 import numpy as np
 
-from moerl.analysis import power
+from moerl.analysis import familywise, power
 from moerl.analysis.verdicts import NO, NOT_TESTED, PARTLY, YES, keeps_drifting
 
 # The grids analysis.yaml says are recorded on its rollout path (its comment above ``rollout_path``).
-PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism")
+PATH_GRIDS = ("confirmatory_control", "confirmatory_fp8", "confirmatory_nvfp4_600", "mechanism", "crossover")
 DEFAULT_STEPS = 300
 # The registered rules each kind of verdict is computed under (for its post-hoc label); only those whose
 # ``grids`` list the verdict's grid are looked up.
@@ -89,6 +89,8 @@ class Grid:
         only = {}
         if name == "mechanism":  # "qat_* at int4_kimi only" (analysis.yaml, grids.mechanism.runs)
             only = {arm: ("int4_kimi",) for arm in spec["arms"] if arm.startswith("qat_")}
+        if name == "crossover":  # "baseline at the four quantised rungs; fp32_control at fp32" (grids.crossover.runs)
+            only = {"fp32_control": ("fp32",), "baseline": tuple(r for r in spec["rungs"] if r != "fp32")}
         return cls(name, tuple(spec["arms"]), tuple(spec["rungs"]), tuple(spec["seeds"]),
                    int(spec["eval_completions"]), int(spec.get("steps", DEFAULT_STEPS)), only)
 
@@ -228,7 +230,8 @@ def regime(controls: dict[int, dict], rule: dict, assumed_gain: float | None = N
     sd = float(np.std(list(gains.values()), ddof=1)) if len(gains) >= 2 else float("nan")
     at = None if assumed_gain is None else t_power(assumed_gain, rule["lower_bound_above"], sd, len(gains), alpha,
                                                    "true mean gain, the earlier grids' control_gain")
-    return {"verdict": verdict, "gain": _interval(gains, alpha), "collapsed_seeds": collapsed, "power": at}
+    return {"verdict": verdict, "gain": _interval(gains, alpha), "collapsed_seeds": collapsed, "power": at,
+            "p": familywise.t_p(gains.values(), rule["lower_bound_above"])}
 
 
 def _acted(arm: str, runs: dict[int, dict], rule: dict) -> tuple[str | None, list[float], bool | None]:
@@ -261,6 +264,7 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
     sd_control = _pooled_sd([_paired(cell_by_seed(runs, grid, arm, "fp8", registered), control, final) for arm in arms])
     behind = _paired(control, baseline, final)
     out["baseline behind control"] = {"verdict": power.t_verdict(behind.values(), 0.0, alpha=alpha),
+                                      "p": familywise.t_p(behind.values(), 0.0),
                                       "difference": "control - baseline", **_interval(behind, alpha),
                                       "power": t_power(helps["smallest_effect"], 0.0, sd_control, len(behind), alpha,
                                                        "the registered smallest effect")}
@@ -273,6 +277,7 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             diff = _paired(mine, control, final)
             verdict = power.t_verdict(diff.values(), -like["margin"], alpha=1 - like["level"])
             out[comparison] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
+                                             "p": familywise.t_p(diff.values(), -like["margin"]),
                                              "difference": f"{arm} - control",
                                              **_interval(diff, 1 - like["level"]),
                                              "power": t_power(0.0, -like["margin"], sd_control, len(diff),
@@ -283,7 +288,8 @@ def fp8_verdicts(runs: list[dict], registered: dict, rules: dict, regime_verdict
             measure, shares, acted = _acted(arm, mine, acts)
             verdict = power.t_verdict(diff.values(), helps["threshold"], alpha=alpha)
             n = len(diff)
-            out[comparison] = {"verdict": verdict, "difference": f"{arm} - baseline", **_interval(diff, alpha),
+            out[comparison] = {"verdict": verdict, "p": familywise.t_p(diff.values(), helps["threshold"]),
+                               "difference": f"{arm} - baseline", **_interval(diff, alpha),
                                "acts_on": {"measure": measure, "min": min(shares) if shares else None,
                                            "floored": acted is not None, "floor": acts["floor"]},
                                "power": t_power(helps["smallest_effect"], helps["threshold"], sd, n, alpha,
@@ -314,6 +320,7 @@ def drift_verdicts(runs: list[dict], registered: dict, rules: dict) -> dict:
         _, _, acted = _acted(arm, mine, rules["acts_on_per_mechanism"])
         growth = [r["k3_growth"] for r in mine.values() if r.get("k3_growth") is not None]
         out[comparison] = {"verdict": keeps_drifting(growth, base_growth, acted), "k3_growth": growth,
+                           "p": familywise.sign_p(sum(g > rules["drift"]["growth"] for g in growth), len(growth)),
                            "baseline_k3_growth": base_growth, "power": every_seed_power(len(growth))}
     return out
 
@@ -327,7 +334,8 @@ def collapses(runs: dict[int, dict]) -> dict:
     collapsed, n = _collapsed(runs), len(runs)
     verdict = (NOT_TESTED if not n else YES if len(collapsed) == n else NO if not collapsed
                else f"{PARTLY} ({len(collapsed)} of {n})")
-    return {"verdict": verdict, "n": n, "collapsed_seeds": collapsed, "power": every_seed_power(n)}
+    return {"verdict": verdict, "n": n, "collapsed_seeds": collapsed, "power": every_seed_power(n),
+            "p": familywise.sign_p(len(collapsed), n)}
 
 
 def prevents_collapse(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
@@ -338,7 +346,9 @@ def prevents_collapse(arm: dict[int, dict], baseline: dict[int, dict]) -> dict:
     base = [s for s in _collapsed(baseline) if s in arm]
     verdict = NOT_TESTED if not base else YES if not own else NO if len(own) >= len(base) else PARTLY
     return {"verdict": verdict, "n": len(arm), "collapsed_seeds": own, "baseline_collapsed_seeds": base,
-            "power": every_seed_power(len(arm))}
+            "power": every_seed_power(len(arm)),
+            # the baseline collapsing more often than the arm, on the arm's own seeds
+            "p": familywise.fisher_p(len(base), len(arm), len(own), len(arm))}
 
 
 def _regime_gated(verdict: dict, regime_verdict: str) -> dict:
@@ -401,6 +411,7 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
                 sd_control = _pooled_sd([_paired(arm_at(a, rung), control, final) for a in grid.arms
                                          if rung in grid.only.get(a, grid.rungs)])
                 out[key] = _regime_gated({"kind": "like_control_gated", "verdict": verdict,
+                                          "p": familywise.t_p(diff.values(), -like["margin"]),
                                           "difference": f"{arm} - control",
                                           **_interval(diff, 1 - like["level"]),
                                           "power": t_power(0.0, -like["margin"], sd_control, len(diff),
@@ -415,6 +426,7 @@ def mechanism_verdicts(runs: list[dict], registered: dict, rules: dict, regime_v
                 sd = _pooled_sd([_paired(arm_at(a, rung), baseline, final) for a in grid.arms
                                  if a != "baseline" and rung in grid.only.get(a, grid.rungs)])
                 out[key] = {"kind": "helps_over", "verdict": power.t_verdict(diff.values(), helps["threshold"], alpha),
+                            "p": familywise.t_p(diff.values(), helps["threshold"]),
                             "difference": f"{arm} - {other}", **_interval(diff, alpha),
                             "power": t_power(helps["smallest_effect"], helps["threshold"], sd, len(diff), alpha,
                                              "the registered smallest effect")}
@@ -462,6 +474,13 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
             out["verdicts"]["confirmatory_nvfp4_600"] = drift_verdicts(runs, registered, rules)
         if status.get("mechanism", {}).get("complete"):
             out["verdicts"]["mechanism"] = mechanism_verdicts(runs, registered, rules, control_regime["verdict"])
+    # family-wise: each registered family's verdicts with raw and Holm-adjusted p (moerl.analysis.familywise)
+    fw = rules.get("family_wise")
+    for grid, verdicts in out["verdicts"].items():
+        if fw is not None:
+            out["verdicts"][grid] = (familywise.apply(verdicts, fw["alpha"]) if grid in fw["families"] else
+                                     {name: {**v, "p_holm": v.get("p"), "family_size": 1, "verdict_holm": v["verdict"]}
+                                      for name, v in verdicts.items()})
     return out
 
 
@@ -520,8 +539,16 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
     for grid, verdicts in result["verdicts"].items():
         levels = {x["one_sided"] for v in verdicts.values() for x in (v.get("gain", v),) if x.get("one_sided")}
         bounds = " / ".join(f"{100 * q:g} %" for q in sorted(levels)) or "95 %"
-        lines += ["", f"**{grid}**", "", f"| comparison | verdict | mean [one-sided {bounds} t bounds] | seeds | notes |",
-                  "|---|---|---|---|---|"]
+        holm = any("p_holm" in v for v in verdicts.values())
+        family = ("| p (one-sided) | Holm-adjusted p | verdict under Holm " if holm else "")
+        if holm and label is not None and registered is not None and grid in registered["rules"].get(
+                "family_wise", {}).get("grids", []):
+            late = label(["family_wise"], grid)
+            lines += ["", f"Holm within {grid}'s {len(verdicts)} comparisons: "
+                      + (f"a new reading of a grid already read (*{late}*); the verdict column is each verdict as "
+                         "first read" if late else "registered before the grid's first run")]
+        lines += ["", f"**{grid}**", "", f"| comparison | verdict | mean [one-sided {bounds} t bounds] | seeds "
+                  f"{family}| notes |", "|---|---|---|---|" + ("---|---|---|" if holm else "") + "---|"]
         for name, v in verdicts.items():
             interval = v.get("gain", v)
             mean = (f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
@@ -548,8 +575,15 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
                 late = label(rules, grid)
                 if late:
                     notes.append(f"*{late}*")
-            lines.append(f"| {name} | {v['verdict']} | {mean} | {interval.get('n', len(v.get('k3_growth', [])))} | "
-                         f"{'; '.join(notes)} |")
+            seeds = interval.get('n', len(v.get('k3_growth', [])))
+            corrected = ""
+            if holm:
+                fmt = lambda p: "—" if p is None else f"{p:.3g}"  # noqa: E731
+                size = f" (of {v['family_size']})" if v.get("family_size", 1) > 1 else ""
+                changed = v["verdict_holm"] != v["verdict"]
+                corrected = (f"{fmt(v.get('p'))} | {fmt(v.get('p_holm'))}{size} | "
+                             f"{'**' + v['verdict_holm'] + '**' if changed else v['verdict_holm']} | ")
+            lines.append(f"| {name} | {v['verdict']} | {mean} | {seeds} | {corrected}{'; '.join(notes)} |")
     for grid, rows in result.get("exploratory", {}).items():
         lines += ["", f"**{grid} — exploratory** (no verdict: described, not tested)", "",
                   "| arm | rung | collapsed (at steps) | final pass@1 mean [95 % t interval] | median run k3 |",

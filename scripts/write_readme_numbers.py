@@ -512,7 +512,7 @@ def section_found(runs_root: Path) -> str:
     if "mechanism" in verdicts:
         v = verdicts["mechanism"]
         kimi, qat = cell("mechanism", "baseline", "int4_kimi"), cell("mechanism", "qat_int4", "int4_kimi")
-        lines.append(f"5. **Kimi's INT4 experts need its QAT recipe.** Without it: {gain(kimi):+.2f} pass@1, "
+        lines.append(f"5. **Kimi's INT4 experts, without and with its QAT recipe.** Without it: {gain(kimi):+.2f} pass@1, "
                      f"{collapsed(kimi)} collapsed; with it: {gain(qat):+.2f}, like the control as read "
                      f"(**{v['qat_int4 like_control']['verdict_holm']}** under Holm) {link}.")
     return ("\n".join(lines) + f"\n\n[07-verdicts]: {results}") if lines else \

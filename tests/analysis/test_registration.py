@@ -163,3 +163,17 @@ def test_a_later_grid_on_fresh_seeds_is_not_started_by_an_earlier_grids_runs(rep
     assert not reg.status("reading", "new").post_hoc
     new_run = {**old_run, "seed": 12, "steps_planned": 600, "registration": registration_record("x", repo, now=at(6))}
     assert Registration(path, repo, runs=[old_run, new_run]).grid_started("new") == at(6)
+
+
+def test_a_registered_run_repeating_an_earlier_run_is_found():
+    """Same training config and seed as a run read before registration, only the evaluation size or the length
+    differing: the registered run repeats it (its first min(steps) steps); another seed or another rung does not."""
+    from moerl.analysis.registration import repeats
+
+    identity = {"arm": "r3", "rollout.dtype": "fp8", "trainer.eval_samples": 4, "trainer.steps": 300, "seed": 0}
+    old = {"run_dir": "old/seed0", "seed": 0, "steps_planned": 300, "registered": False, "identity": identity}
+    new = {"run_dir": "new/seed0", "seed": 0, "steps_planned": 600, "registered": True,
+           "identity": {**identity, "trainer.eval_samples": 8, "trainer.steps": 600, "trainer.fake_quant": "none"}}
+    fresh = {**new, "run_dir": "new/seed5", "seed": 5, "identity": {**new["identity"], "seed": 5}}
+    other = {**new, "run_dir": "other/seed0", "identity": {**new["identity"], "rollout.dtype": "nvfp4"}}
+    assert repeats([old, new, fresh, other]) == [{"run": "new/seed0", "repeats": "old/seed0", "seed": 0, "steps": 300}]

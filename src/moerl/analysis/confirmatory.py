@@ -467,6 +467,13 @@ def report(runs: list[dict], registered: dict, rules: dict) -> dict:
     if status.get("confirmatory_control", {}).get("complete"):
         controls = cell_by_seed(runs, "confirmatory_control", "fp32_control", "fp32", registered)
         control_regime = regime(controls, rules["regime_t"], rules.get("control_gain"))
+        if rules.get("control_gain") is not None:
+            # regime_t replaced the rule first written (a gain >= control_gain in every seed) after that rule
+            # failed on the 3-seed control: the first rule's reading on these seeds is printed beside it
+            gains = [r["pass1_end"] - r["pass1_start"] for r in controls.values()
+                     if r.get("pass1_end") is not None and r.get("pass1_start") is not None]
+            control_regime["first_rule"] = {"threshold": rules["control_gain"], "met": sum(g >= rules["control_gain"]
+                                                                                          for g in gains), "n": len(gains)}
         out["verdicts"]["confirmatory_control"] = {"regime": control_regime}
         if status.get("confirmatory_fp8", {}).get("complete"):
             out["verdicts"]["confirmatory_fp8"] = fp8_verdicts(runs, registered, rules, control_regime["verdict"])
@@ -560,6 +567,11 @@ def markdown(result: dict, label: Callable[[list[str], str], str] | None = None,
                 notes.append(f"the baseline's collapsed seeds {v['baseline_collapsed_seeds'] or 'none'}")
             if "ungated" in v:
                 notes.append(f"gated: the control's regime verdict is {v['regime']} (ungated: {v['ungated']})")
+            if v.get("first_rule"):
+                first = v["first_rule"]
+                notes.append(f"*post hoc: this rule relaxed the one first written (a gain ≥ {first['threshold']:g} in "
+                             f"every seed) after that failed on the 3-seed control; under it: met in {first['met']} "
+                             f"of {first['n']} seeds*")
             if v.get("power"):
                 notes.append(power_note(v["power"], target))
             if v.get("acts_on", {}).get("min") is not None:

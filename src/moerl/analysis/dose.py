@@ -198,7 +198,7 @@ def load_runs(root: str | Path, grids: str = "recorded") -> list[dict]:
             path_key = REGISTERED["rollout_path"]["key"]
             section, _, key = path_key.partition(".")
             runs.append({"arm": current_arm(EXPERIMENT, cfg["arm"]), "rung": rollout["dtype"], "seed": int(cfg["seed"]),
-                         "registration": recorded.get("registration"),
+                         "registration": recorded.get("registration"), "identity": recorded.get("identity"),
                          "steps_planned": trainer["steps"], "setup": setup, "run_dir": str(run),
                          "machine": machine_kind(run),
                          # which grid a run belongs to (moerl.analysis.confirmatory.grid_of)

@@ -261,11 +261,20 @@ def mechanism_facts(every_run: list[dict], registered: dict, recorded: list[dict
     cells = {(arm, rung): confirmatory.cell_by_seed(every_run, "mechanism", arm, rung, registered)
              for arm in grid.arms for rung in grid.only.get(arm, grid.rungs)}
     control = confirmatory.cell_by_seed(every_run, "confirmatory_control", "fp32_control", "fp32", registered)
-    starts = {round(r["pass1_start"], 6) for runs in [control, *cells.values()] for r in runs.values()}
-    start = f"{starts.pop():.3f}" if len(starts) == 1 else f"{min(starts):.3f}–{max(starts):.3f}"
-    lines = [f"- every run starts at held-out pass@1 {start} (the warm start, sampled with its seed); the "
-             "confirmatory control ends at "
-             f"{np.mean([r['pass1_end'] for r in control.values()]):.3f} (mean of {len(control)} seeds)"]
+    # The step-0 evaluation samples with the data seed, not the run's: every run of one policy starts at one
+    # value; the QAT arms start from the warm start's weights on the INT4 grid, another policy.
+    def starts_of(keys) -> str:
+        found = sorted({round(r["pass1_start"], 6) for key in keys for r in cells.get(key, {}).values()})
+        return " / ".join(f"{x:.4f}" for x in found) or "—"
+
+    plain = [key for key in cells if not key[0].startswith("qat_")] + [("fp32_control", "fp32")]
+    cells[("fp32_control", "fp32")] = control
+    lines = [f"- held-out pass@1 at step 0: {starts_of(plain)} in every run of the fp32 control and of the "
+             f"unquantised trainer (its evaluation samples with the data seed, so every seed starts at the same value), "
+             f"{starts_of([k for k in cells if k[0].startswith('qat_')])} for the trainer on the INT4 grid (QAT); the "
+             f"confirmatory control ends at {np.mean([r['pass1_end'] for r in control.values()]):.3f} "
+             f"(mean of {len(control)} seeds)"]
+    del cells[("fp32_control", "fp32")]
     k3 = {key: float(np.median([r["k3_median"] for r in runs.values()])) for key, runs in cells.items() if runs}
     ladder, _ = ladder_rows(recorded)
     for fmt_name in ("nvfp4", "int4"):

@@ -546,7 +546,71 @@ def registration_markdown(every_run: list[dict]) -> str:
                        "each rule of a grid that has run, the commit that first wrote it, its amendments, and whether "
                        "the value used was set before the grid's first run (post hoc otherwise):", "",
                        *reg.timeline(started_only=True, grids=earlier),
-                       *on_path.timeline(started_only=True, grids=set(confirmatory.PATH_GRIDS), header=False), ""])
+                       *on_path.timeline(started_only=True, grids=set(confirmatory.PATH_GRIDS), header=False), "",
+                       *repeat_lines(every_run), ""])
+
+
+def repeat_lines(every_run: list[dict]) -> list[str]:
+    """Per registered grid, the runs that repeat an earlier run read before registration (same training and
+    seed; moerl.analysis.registration.repeats): their outcome was partly seen when the grid was registered."""
+    from moerl.analysis.registration import repeats
+
+    grid = {r["run_dir"]: confirmatory.grid_of(r, REGISTERED) for r in every_run}
+    found = repeats([{**r, "registered": grid[r["run_dir"]] is not None} for r in every_run])
+    if not found:
+        return ["No registered run repeats an earlier run read before registration."]
+    lines = ["Registered runs that repeat, bit for bit, an earlier run read before registration (same training "
+             "config and seed; the evaluation size or the length differ; `moerl.analysis.registration.repeats`):", "",
+             "| grid | repeated runs | of | steps repeated | runs |", "|---|---|---|---|---|"]
+    planned = {name: len(g.planned()) for name, g in confirmatory.path_grids(REGISTERED).items()}
+    by_grid: dict[str, list[dict]] = {}
+    for entry in found:
+        by_grid.setdefault(grid[entry["run"]], []).append(entry)
+    for name, entries in by_grid.items():
+        steps = sorted({e["steps"] for e in entries})
+        arms = sorted({Path(e["run"]).parent.name.split("+")[0] for e in entries})
+        seeds = sorted({e["seed"] for e in entries})
+        lines.append(f"| {name} | {len(entries)} | {planned.get(name, '?')} | {', '.join(map(str, steps))} | "
+                     f"seeds {', '.join(map(str, seeds))} of {', '.join(arms)} |")
+    return lines
+
+
+def fresh_seed_markdown(every_run: list[dict]) -> str:
+    """Each registered grid's verdicts again on its fresh seeds only: the seeds of runs that repeat an earlier
+    run read before registration (repeat_lines) are dropped from the grid (and from the control it is paired
+    with), and the same rules, with Holm within the family, are applied to the rest."""
+    import copy
+
+    from moerl.analysis.registration import repeats
+
+    grid = {r["run_dir"]: confirmatory.grid_of(r, REGISTERED) for r in every_run}
+    found = repeats([{**r, "registered": grid[r["run_dir"]] is not None} for r in every_run])
+    if not found:
+        return ""
+    seen: dict[str, set[int]] = {}
+    for e in found:
+        seen.setdefault(grid[e["run"]], set()).add(e["seed"])
+    fresh = copy.deepcopy(REGISTERED)
+    for name, seeds in seen.items():
+        fresh["grids"][name]["seeds"] = [s for s in fresh["grids"][name]["seeds"] if s not in seeds]
+    result = confirmatory.report(every_run, fresh, confirmatory.rules_of(fresh))
+    dropped = "; ".join(f"{name} seeds {', '.join(map(str, sorted(seeds)))}" for name, seeds in seen.items())
+    lines = ["", f"On fresh seeds only ({dropped} dropped: they repeat runs read before registration; grids "
+             "without a repeated run are not reprinted), the same rules and Holm within each family:", "",
+             "| grid | comparison | verdict | mean [one-sided 95 % t bounds] | seeds | p | Holm p | verdict under Holm |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda p: "—" if p is None else f"{p:.3g}"  # noqa: E731
+    for name, verdicts in result["verdicts"].items():
+        if name not in seen:
+            continue
+        for comparison, v in verdicts.items():
+            x = v.get("gain", v)
+            mean = (f"{x['mean']:+.3f} [{x['low']:+.3f}, {x['high']:+.3f}]" if x.get("mean") is not None
+                    and x.get("low") is not None else "—")
+            n = x.get("n", len(v.get("k3_growth", [])))
+            lines.append(f"| {name} | {comparison} | {v['verdict']} | {mean} | {n} | {fmt(v.get('p'))} | "
+                         f"{fmt(v.get('p_holm'))} | {v.get('verdict_holm', v['verdict'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def power_plan(table: dict[str, dict]) -> str:
@@ -785,9 +849,11 @@ def main() -> None:
     registered = confirmatory.report(every_run, REGISTERED, confirmatory.rules_of(REGISTERED))["verdicts"]
     text = (markdown(runs) + grid_markdown(table) + thresholds_markdown(shifts) + "\n"
             + claims_markdown(runs, table, registered)
-            + power_plan(table) + confirmatory_markdown(every_run) + registration_markdown(every_run))
+            + power_plan(table) + confirmatory_markdown(every_run) + fresh_seed_markdown(every_run)
+            + registration_markdown(every_run))
     (out / "ladder.md").write_text(text)
-    (out / "ladder.json").write_text(json.dumps({"runs": runs, "grid": table, "thresholds": shifts}, indent=1,
+    listed = [{k: v for k, v in r.items() if k != "identity"} for r in runs]  # the config is in each run's files
+    (out / "ladder.json").write_text(json.dumps({"runs": listed, "grid": table, "thresholds": shifts}, indent=1,
                                                 default=str) + "\n")
     drawn = [figure(runs, Path(args.figure)), mitigation_figure(table, Path(args.mitigation_figure)),
              dynamics_figure(runs, Path(args.dynamics_figure)), thresholds_figure(shifts, Path(args.threshold_figure)),

@@ -220,9 +220,13 @@ def claims_lines(df, preds, exp05: float | None = None) -> list[str]:
         wider = sft_width(df)
         wider = wider[wider.H > BASE["H"]]
         if len(wider):  # the rule names the base's width; say what the wider trained points show beside it
-            verdict += (f"; judged at hidden {BASE['H']} (k3 ratio " + ", ".join(
-                f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] at {int(r.H)}"
-                for _, r in wider.iterrows()) + ")")
+            widest = wider.sort_values("H").iloc[-1]
+            verdict += (f"; *post hoc*: judged at hidden {BASE['H']} after the wider points were read (k3 ratio "
+                        + ", ".join(
+                            f"{r.k3_ratio:.2f} [{r.k3_ratio_lo:.2f}, {r.k3_ratio_hi:.2f}] at {int(r.H)}"
+                            for _, r in wider.iterrows()) + "); "
+                        + ("**not shown**" if widest.k3_ratio_lo <= 1 else "**yes**")
+                        + f" at hidden {int(widest.H)}")
         rows.append(("R3 cuts the mismatch (tokens with ratio > 2 drop ~10x)", "~10x (R3 paper)", txt, verdict,
                      "yes: the paired k3 ratio's interval (sequences resampled) lies above 1 at the paper's geometry "
                      "(the SFT'd base); partly: at some trained point; not shown: at none (one batch per point)"))

@@ -301,3 +301,33 @@ class Registration:
                              f"{'**post hoc** — ' + s.why if s.post_hoc else 'pre-registered'} |")
         head = ["| rule | grid | value | first written | amendments | status |", "|---|---|---|---|---|---|"]
         return (head if header else []) + lines
+
+
+# Keys that change what a run *measures* or how long it runs, not what its training computes step by step: a
+# registered run whose identity differs from an earlier run's only in these, with the same seed, repeats that
+# run's training bit for bit (its first min(steps) steps), so its outcome was partly seen before registration.
+MEASUREMENT_KEYS = ("trainer.eval_samples", "trainer.eval_size", "trainer.eval_every", "trainer.steps",
+                    "trainer.samples_every", "trainer.samples_per_save")
+
+
+def same_training(a: dict, b: dict) -> bool:
+    """Whether two recorded identities (run.json ``identity``) train alike: equal on every key both record
+    except MEASUREMENT_KEYS (a key one side lacks was added to the config after that run and left at its default)."""
+    return all(a[k] == b[k] for k in set(a) & set(b) if k not in MEASUREMENT_KEYS)
+
+
+def repeats(runs: list[dict]) -> list[dict]:
+    """Registered runs that repeat an earlier unregistered run: for each run with ``registered`` true, the runs
+    with ``registered`` false, the same seed and the same training (``identity``, :func:`same_training`).
+    Each entry names both runs and how many steps they share (``steps``: the shorter run's length)."""
+    earlier = [r for r in runs if not r.get("registered") and r.get("identity")]
+    out = []
+    for run in runs:
+        if not run.get("registered") or not run.get("identity"):
+            continue
+        for old in earlier:
+            if old["seed"] == run["seed"] and same_training(old["identity"], run["identity"]):
+                out.append({"run": run["run_dir"], "repeats": old["run_dir"], "seed": run["seed"],
+                            "steps": min(int(old["steps_planned"]), int(run["steps_planned"]))})
+                break
+    return out

@@ -149,8 +149,9 @@ def drift_figure(every_run: list[dict], path: Path) -> Path | None:
         top.axvspan(spec.steps - EARLY_LATE_WINDOW, spec.steps, color="tab:gray", alpha=0.15, lw=0)
         for ax in (top, bottom):
             ax.axvline(spec.steps // 2, color="k", ls=":", lw=0.8)
-        bottom.axhline(control_end, color=arm_color("fp32_control"), ls="--", lw=1,
-                       label=f"fp32 control at its end, step {control_steps} (mean of {len(control)} seeds)")
+        # the control ran fewer steps than this grid: its line stops where the control stopped
+        bottom.hlines(control_end, 0, max(r["steps"] for r in control.values()), color=arm_color("fp32_control"),
+                      ls="--", lw=1, label=f"fp32 control's end (step {control_steps}, {len(control)} seeds)")
         growth = [r.get("k3_growth") for r in runs.values()]
         growth_text = ", ".join("—" if g is None else f"{g:.2g}" for g in growth)
         name = f"{arm} keeps_drifting"

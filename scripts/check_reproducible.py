@@ -168,12 +168,20 @@ def decide(recorded: list[dict], fresh: list[dict], run: Path, fresh_dir: Path, 
     print(f"check applied: {check} ({why}{'' if args.check == 'auto' else ', chosen by --check'})", flush=True)
     if check == "bitwise":
         return report(recorded, fresh, run, args.steps, args.bitwise)
-    return report_statistical(fresh, run, args.steps)
+    return report_statistical(recorded, fresh, run, args.steps)
 
 
-def report_statistical(fresh: list[dict], run: Path, steps: int) -> int:
-    """The re-run's summary against the recorded seeds' 99% prediction intervals; the exit code."""
+def report_statistical(recorded: list[dict], fresh: list[dict], run: Path, steps: int) -> int:
+    """The re-run's summary against the recorded seeds' 99% prediction intervals; the exit code. Where the
+    trajectory first departs from the recorded run is reported too (not judged)."""
     from moerl.analysis.reproduction import PREDICTION_LEVEL, judge
+
+    diffs = compare(recorded, fresh, max_step=steps or None)
+    departs = [d for d in diffs if "'" not in d or is_trajectory(d.split("'")[1])]
+    departs.sort(key=lambda d: int(d.split()[1]))
+    print("not judged, for information: " + (f"the trajectory departs from {run} at {departs[0]}" if departs
+          else f"the trajectory repeats {run} bit for bit" + ("" if not diffs else
+               f"; {len(diffs)} float statistic(s) differ in their last bits")), flush=True)
 
     seed_dirs = sorted(p for p in run.parent.glob("seed*") if (p / "metrics.jsonl").exists())
     seeds = [read_metrics(p / "metrics.jsonl") for p in seed_dirs]

@@ -136,6 +136,7 @@ def test_another_cpu_kind_gets_the_statistical_check_and_passes_inside_the_seeds
     out = capsys.readouterr().out
     assert "check applied: statistical (another CPU kind than the recording (cpu_model: recorded" in out
     assert "reproduced statistically: all 6 judged quantities" in out
+    assert "not judged, for information: the trajectory departs from" in out and "at step 1 (train)" in out
     assert check.main([*argv, "--run", str(other), "--check", "bitwise"]) == 1
     assert "NOT reproduced (the trajectory differs)" in capsys.readouterr().out
 

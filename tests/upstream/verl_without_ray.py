@@ -1,6 +1,6 @@
-"""Import verl's router-replay modules where Ray is absent (a lent GPU machine, which has no network).
+"""Import verl's router-replay modules where Ray is absent (a GPU machine set up offline from .whl/).
 
-Ray's cp312 wheel is 79 MB, more than a GPU call may carry (64 MiB with the repository), and the replay
+Ray's cp312 wheel is 79 MB, left out of the pinned wheels the GPU checks install, and the replay
 path never calls it: ``verl/__init__.py`` imports it through ``verl.protocol`` (``DataProto``), and
 ``verl/models/mcore/__init__.py`` through its model registry (``megatron_utils`` -> ``workers.config`` ->
 ``profiler`` -> ``single_controller``). ``install()`` registers those two packages with their search path

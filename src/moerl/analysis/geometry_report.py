@@ -133,7 +133,7 @@ def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
 
 
 def default_sft(points: pd.DataFrame) -> pd.DataFrame:
-    """The points whose SFT ran from the data seed (every CPU point; a GPU call without --sft-seed)."""
+    """The points whose SFT ran from the data seed (every CPU point; a GPU run without --sft-seed)."""
     return points[points.sft_seed.isna()] if "sft_seed" in points else points
 
 

@@ -100,10 +100,13 @@ class Judgement:
     low: float | None
     high: float | None
     passed: bool | None  # None: not judged (no data, or fewer than two seeds)
+    seeds_with_value: int = 0
 
     def line(self) -> str:
         if self.passed is None:
-            return f"{self.quantity}: not judged ({'no value' if self.value is None else 'fewer than 2 seeds'})"
+            why = ("the re-run logged none over these steps" if self.value is None else
+                   f"{self.seeds_with_value} recorded seed(s) logged it over these steps; 2 needed")
+            return f"{self.quantity}: not judged ({why})"
         verdict = "inside" if self.passed else "OUTSIDE"
         return f"{self.quantity}: {self.value:.4g} {verdict} the seeds' interval [{self.low:.4g}, {self.high:.4g}]"
 
@@ -126,8 +129,8 @@ def judge(rerun: list[dict], seeds: list[list[dict]], max_step: int | None = Non
     for q in SUMMARY_QUANTITIES:
         values = [t[q] for t in theirs if t[q] is not None]
         if mine[q] is None or len(values) < 2:
-            out.append(Judgement(q, mine[q], None, None, None))
+            out.append(Judgement(q, mine[q], None, None, None, len(values)))
             continue
         low, high = prediction_interval(values)
-        out.append(Judgement(q, mine[q], low, high, low <= mine[q] <= high))
+        out.append(Judgement(q, mine[q], low, high, low <= mine[q] <= high, len(values)))
     return out

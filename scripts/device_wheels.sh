@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The wheels the prepared GPU checks carry to a lent GPU machine (CPython 3.12, CUDA torch, no network):
-# requirements-device.txt (hashes pinned) into the git-ignored .whl/ that a device call names in `carry`.
+# The wheels the GPU checks install on a CUDA machine that may have no network (CPython 3.12, CUDA torch):
+# requirements/device.txt (hashes pinned) into the git-ignored .whl/, to copy over with the checkout.
 #
 #     bash scripts/device_wheels.sh [DIR]     # here, where a registry is reachable (default DIR: .whl)
 #

@@ -99,7 +99,7 @@ def git_sha() -> str:
                              cwd=Path(__file__).parent).stdout.strip()
         # "-dirty" when code or configs that shape a run differ from the commit (docs do not count).
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/src", ":/experiments",
-                                ":/scripts/run.py", ":/scripts/sweep.py", ":/requirements.txt"],
+                                ":/scripts/run.py", ":/scripts/sweep.py", ":/requirements/cpu.txt"],
                                capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

@@ -130,10 +130,10 @@ def test_geometry_and_memory_of_the_ladder(tokenizer):
 
 
 def test_device_wheels_are_the_repositorys_pins():
-    wheels = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements-device.txt").read_text(),
+    wheels = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/device.txt").read_text(),
                              re.M))
-    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements.txt").read_text(), re.M))
-    cluster = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements-gpu.txt").read_text(),
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/cpu.txt").read_text(), re.M))
+    cluster = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/gpu.txt").read_text(),
                               re.M))
     # megatron-core travels at the cluster's pin (the router-replay check), not the CPU suite's
     assert wheels["megatron-core"] == cluster["megatron-core"]

@@ -39,7 +39,7 @@ def install() -> None:
             raise ImportError(f"{name} is already imported with its __init__; install() must run first")
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("verl is not installed (requirements-device.txt)")
+        raise ImportError("verl is not installed (requirements/device.txt)")
     root = list(spec.submodule_search_locations)[0]
     for name in SKIPPED_INITS:
         path = os.path.join(root, *name.split(".")[1:])

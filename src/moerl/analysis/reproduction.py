@@ -65,7 +65,7 @@ def _train(rows: list[dict], max_step: int | None) -> list[dict]:
 
 
 def _evals(rows: list[dict], max_step: int | None) -> list[dict]:
-    return [r for r in rows if "reward/mean" not in r and "eval/pass1" in r and int(r["step"]) > 0
+    return [r for r in rows if isinstance(r.get("eval/pass1"), (int, float)) and int(r["step"]) > 0
             and (max_step is None or int(r["step"]) <= max_step)]
 
 

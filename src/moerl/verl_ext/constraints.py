@@ -371,7 +371,7 @@ def _vllm_routed(spec):
     ver = tuple(int(x) for x in re.findall(r"\d+", str(r.get("vllm_version", "0")))[:3])
     if ver < R3_MIN_VLLM:
         raise Broken(f"R3 needs vLLM >= {'.'.join(map(str, R3_MIN_VLLM))}, have {r.get('vllm_version')}; "
-                     f"fix: install the requirements-gpu.txt pin")
+                     f"fix: install the requirements/gpu.txt pin")
     return f"routed experts returned (vLLM {r.get('vllm_version')}, rollout PP 1)"
 
 
@@ -408,7 +408,7 @@ def _verl_rollout_logprobs(spec):
 
 @rule("verl.r3_needs_vllm_rollout", f"{VERL}: verl/workers/rollout/vllm_rollout/vllm_async_server.py "
       f"(enable_return_routed_experts, vLLM >= 0.22) is the routed-experts path this repo's R3 checks ({VLLM}: "
-      "routes for every layer, dense rows zero, matched to Megatron routers by layer number); requirements-gpu.txt "
+      "routes for every layer, dense rows zero, matched to Megatron routers by layer number); requirements/gpu.txt "
       "pins no SGLang or TensorRT-LLM")
 def _verl_r3_engine(spec):
     r = spec.rollout
@@ -609,7 +609,7 @@ def _bridge_shared(spec):
                      f"broadcasts the shared adapter when it is built (peft/utils.py has the EP grad hook but no "
                      f"_synchronize_shared_expert_parameters), so each EP rank's LoRA-A starts from its own "
                      f"expert-parallel seed and the {spec.ep} copies never agree; the export then gives each expert "
-                     f"its EP rank's copy; fix: megatron-bridge 0.6.2 (requirements-gpu.txt) with "
+                     f"its EP rank's copy; fix: megatron-bridge 0.6.2 (requirements/gpu.txt) with "
                      f"override_transformer_config.gradient_accumulation_fusion=false, or "
                      f"share_expert_adapters=False, or EP=1")
     fused, why = grad_accumulation_fusion(spec)

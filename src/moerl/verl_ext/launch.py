@@ -47,8 +47,8 @@ def _v(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-def pinned_version(package: str, requirements: Path = REPO / "requirements-gpu.txt") -> str | None:
-    """The ``package==X`` pin in requirements-gpu.txt (what the cluster installs)."""
+def pinned_version(package: str, requirements: Path = REPO / "requirements/gpu.txt") -> str | None:
+    """The ``package==X`` pin in requirements/gpu.txt (what the cluster installs)."""
     if not requirements.exists():
         return None
     for line in requirements.read_text().splitlines():
@@ -75,16 +75,16 @@ def vllm_version_for_run() -> tuple[str, str]:
         return version("vllm"), "installed"
     except Exception:
         pin = pinned_version("vllm")
-        return (pin or "0"), "requirements-gpu.txt pin" if pin else "not installed and not pinned"
+        return (pin or "0"), "requirements/gpu.txt pin" if pin else "not installed and not pinned"
 
 
 def bridge_version_for_run() -> str | None:
-    """The installed Megatron-Bridge, else the version requirements-gpu.txt installs (its install
+    """The installed Megatron-Bridge, else the version requirements/gpu.txt installs (its install
     line is a comment: Bridge goes in with --no-deps)."""
     ver = _installed_version("megatron-bridge")
     if ver:
         return ver
-    req = REPO / "requirements-gpu.txt"
+    req = REPO / "requirements/gpu.txt"
     m = re.search(r"megatron-bridge==([0-9][^\s;#]*)", req.read_text()) if req.exists() else None
     return m.group(1) if m else None
 

@@ -43,7 +43,7 @@ for arm in "${ARMS[@]}"; do
   fi
 done
 $PY scripts/make_figures.py --runs $OUT --out $OUT/figures
-$PY scripts/compare_runs.py $OUT/00_tiny_moe_cpu "${ARMS[@]}"
+$PY scripts/compare_runs.py $OUT/00_tiny_moe_cpu "${ARMS[@]}" --out $OUT/figures/compare_runs.png
 status=0
 failed=()
 for arm in "${ARMS[@]}"; do

@@ -13,8 +13,6 @@ import argparse
 import sys
 
 from moerl import planner
-from moerl.verl_ext.compose import ExperimentError, compose_experiment, load_experiment
-from moerl.verl_ext.launch import gpu_hours, layout_from_cfg
 
 
 def fmt_n(x: float) -> str:
@@ -87,6 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arm")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.rollout.tensor_model_parallel_size=8")
     args = ap.parse_args(argv)
+    # verl's modules take seconds to import: after the arguments, so --help answers at once
+    print(f"[plan] composing {args.experiment} against verl's config...", file=sys.stderr, flush=True)
+    from moerl.verl_ext.compose import ExperimentError, compose_experiment, load_experiment
+    from moerl.verl_ext.launch import gpu_hours, layout_from_cfg
+
     try:
         exp = load_experiment(args.experiment, args.arm)
         cfg = compose_experiment(exp, args.overrides)

@@ -19,6 +19,7 @@ import argparse
 import functools
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -572,8 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     texts: dict[Path, str] = {}
     stale = []
-    for name in wanted:
+    started = time.perf_counter()
+    for i, name in enumerate(wanted, 1):
         files, compute = SECTIONS[name]
+        # progress on stderr: the sections read every recorded run and take about a minute together
+        print(f"[write_readme_numbers] {i}/{len(wanted)} {name} ({time.perf_counter() - started:.0f} s)",
+              file=sys.stderr, flush=True)
         body = compute(Path(args.results))
         for path in (root / f for f in files):
             old = texts.get(path, path.read_text())

@@ -12,6 +12,10 @@ import sys
 
 
 def run(module: str, argv: list[str]) -> int:
+    # Lines as they are printed, also into a pipe or a log (a dry run's report otherwise arrives at the end).
+    sys.stdout.reconfigure(line_buffering=True)
+    print(f"[{module.rsplit('.', 1)[-1]}] importing verl and the config machinery (seconds to tens of seconds)...",
+          file=sys.stderr, flush=True)
     try:
         main = importlib.import_module(module).main
     except ModuleNotFoundError as missing:

@@ -15,12 +15,12 @@ for arg in "$@"; do
 done
 export MOERL_REPO="${MOERL_REPO:-$PWD}"
 # The cluster environment's Python ($PYTHON, e.g. a container's or a venv's), never a bare `python`.
-# Unset: python3 (a cluster image's), or, where python3 has no moerl, this checkout's .venv (the CPU
+# Unset: python3 (a cluster image's), or, where python3 has no moerl or no torch, this checkout's .venv (the CPU
 # stack of scripts/setup_env.sh: enough for --dry-run on a workstation).
 PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && ! python3 -c "import moerl" 2>/dev/null && [ -x .venv/bin/python ]; then
+if [ -z "${PYTHON:-}" ] && ! python3 -c "import moerl, torch" 2>/dev/null && [ -x .venv/bin/python ]; then
     PY=.venv/bin/python
-    echo "launch.sh: python3 has no moerl; using $PY (set PYTHON to choose another)" >&2
+    echo "launch.sh: python3 has no moerl or no torch; using $PY (set PYTHON to choose another)" >&2
 fi
 if ! "$PY" -c "import moerl" 2>/dev/null; then
     echo "error: moerl is not installed in this environment; Ray workers import it (reward, losses)." >&2

@@ -494,8 +494,25 @@ def section_07_drift_facts(runs_root: Path) -> str:
     return drift_facts(c["runs"], c["report"].REGISTERED)
 
 
+def section_command_times(results: Path) -> str:
+    """The README's time table: each documented command's wall time, measured by scripts/time_commands.py."""
+    import json
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from time_commands import table
+
+    path = results / "command_times.json"
+    if not path.exists():
+        return "Not measured yet: `.venv/bin/python scripts/time_commands.py`."
+    record = json.loads(path.read_text())
+    dates = sorted({r["date"] for r in record["commands"].values()})
+    return (table(record) + f"\n\nMeasured by `.venv/bin/python scripts/time_commands.py` ({', '.join(dates)}; "
+            "one thread per run, other work on the machine at the same time).")
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
+    "command_times": (["README.md"], section_command_times),
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "00_setup": (["experiments/00_tiny_moe_cpu/README.md"], section_00_setup),

@@ -111,9 +111,12 @@ def test_cluster_launcher_names_a_missing_experiment():
     assert done.returncode == 2 and "expected an experiment folder name under experiments/, got '05_nope'" in done.stderr
 
 
-def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python):
+@pytest.mark.parametrize("system_python3", ["exit 1",  # a system python3 without moerl
+                                            'case "$*" in *torch*) exit 1;; esac'])  # moerl on its path, no torch
+def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python, system_python3):
     """After the README's set-up (.venv, no PYTHON), a cluster launcher's --dry-run runs on the checkout's
-    .venv when python3 has no moerl; before, it stopped with "moerl is not installed"."""
+    .venv when python3 has no moerl or no torch; before, it stopped with "moerl is not installed", or with a
+    traceback from the missing torch."""
     python, log = fake_python
     experiment = CLUSTER[-1]
     for script in (f"experiments/{experiment}/launch.sh", "scripts/cluster_launch.sh"):
@@ -122,13 +125,14 @@ def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").symlink_to(python)
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")  # a system python3 without moerl
+    (tmp_path / "bin" / "python3").write_text(f"#!/bin/sh\n{system_python3}\n")
     (tmp_path / "bin" / "python3").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
     done = subprocess.run(["bash", str(tmp_path / "experiments" / experiment / "launch.sh"), "--dry-run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stderr.strip() == "launch.sh: python3 has no moerl; using .venv/bin/python (set PYTHON to choose another)"
+    assert done.stderr.strip() == ("launch.sh: python3 has no moerl or no torch; using .venv/bin/python "
+                                   "(set PYTHON to choose another)")
     assert log.read_text().splitlines()[-1] == f"-m moerl.entry moerl.verl_ext.launch experiments/{experiment} --dry-run"
 
 

@@ -34,7 +34,7 @@ COMMANDS = {
     "compare_runs": (f"{PY} scripts/compare_runs.py RUN_DIR RUN_DIR",
                      f"{PY} scripts/compare_runs.py results/runs/00_tiny_moe_cpu/baseline/seed0 "
                      "results/runs/00_tiny_moe_cpu/r3/seed0 --out {tmp}/compare.png"),
-    "write_readme_numbers": (f"{PY} scripts/write_readme_numbers.py", f"{PY} scripts/write_readme_numbers.py --check"),
+    "write_readme_numbers": (f"{PY} scripts/write_readme_numbers.py", f"{PY} scripts/write_readme_numbers.py"),
 }
 
 

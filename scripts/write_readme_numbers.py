@@ -506,13 +506,13 @@ def section_command_times(results: Path) -> str:
         return "Not measured yet: `.venv/bin/python scripts/time_commands.py`."
     record = json.loads(path.read_text())
     dates = sorted({r["date"] for r in record["commands"].values()})
-    return (table(record) + f"\n\nMeasured by `.venv/bin/python scripts/time_commands.py` ({', '.join(dates)}; "
-            "one thread per run, other work on the machine at the same time).")
+    return table(record) + f"\n\nBy `scripts/time_commands.py` ({', '.join(dates)}; other jobs on the machine)."
 
 
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
     "command_times": (["README.md"], section_command_times),
+    "metrics": (["docs/metrics.md"], lambda results: __import__("moerl.trainer.metric_docs", fromlist=["markdown"]).markdown()),
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "00_setup": (["experiments/00_tiny_moe_cpu/README.md"], section_00_setup),

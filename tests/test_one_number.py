@@ -41,7 +41,7 @@ def test_baseline_k3_reads_the_same_in_readme_results_and_notebook_01(recorded):
 
     train, _, references = recorded
     readme = _table_row((REPO / "README.md").read_text(), "| arm | k3, run median", "baseline")
-    results = _table_row((REPO / "results" / "RESULTS.md").read_text(), "| arm | seeds |", "baseline")
+    results = _table_row((REPO / "results" / "RESULTS.md").read_text(), "| arm | seeds | k3 KL (run median)", "baseline")
     k3 = readme["k3, run median (mean of seeds)"]
     assert results["k3 KL (run median)"].startswith(k3 + " ")
     notebook = re.search(r"baseline (\d\.\d\de-\d\d)", answers.mismatch(train, references)).group(1)
@@ -53,7 +53,7 @@ def test_tokens_routed_alike_reads_the_same_in_readme_results_and_the_summary_fi
 
     _, runs, references = recorded
     readme = _table_row((REPO / "README.md").read_text(), "| arm | k3, run median", "baseline")
-    results = _table_row((REPO / "results" / "RESULTS.md").read_text(), "| arm | seeds |", "baseline")
+    results = _table_row((REPO / "results" / "RESULTS.md").read_text(), "| arm | seeds | k3 KL (run median)", "baseline")
     alike = readme["tokens routed alike in every MoE layer"]
     assert results["tokens agreeing in all layers"].startswith(alike + " ")
     fig = plots.summary_figure(runs, "t", k3_key="mean/mismatch/k3", references=references)
@@ -62,3 +62,12 @@ def test_tokens_routed_alike_reads_the_same_in_readme_results_and_the_summary_fi
     drawn = {t.get_text() for t in route_axis.texts}
     assert alike in drawn and route_axis.get_xlim()[1] <= 1.0
     plots.plt.close(fig)
+
+
+def test_results_md_tables_of_00_and_05_are_at_most_eight_columns():
+    text = (REPO / "results" / "RESULTS.md").read_text()
+    for experiment in ("00_tiny_moe_cpu", "05_mismatch_consequences"):
+        section = text.split(f"## {experiment}", 1)[1].split("\n## ", 1)[0]
+        headers = [line for i, line in enumerate(section.splitlines()[:-1])
+                   if line.startswith("| ") and section.splitlines()[i + 1].startswith("|---")]
+        assert headers and all(len(h.strip("|").split(" | ")) <= 8 for h in headers), experiment

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from moerl.config import ConfigError
 from moerl.models.families import FAMILIES, Family
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint directory that cannot be trained here; the message names the file and the fix."""
 
 

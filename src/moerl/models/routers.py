@@ -128,6 +128,20 @@ class GraniteTopKGating:
 
         return [router.register_forward_hook(on_router)]
 
+    def watch_received(self, layer: "MoELayer", callback: Callable[[torch.Tensor], None]):
+        """A hook that hands ``callback`` the top-k [tokens, k] the experts compute with, rebuilt from the
+        router's final (sorted) output: registered after ``hooks``, it sees a replaced routing too."""
+
+        def on_router(module, args, output):
+            sorted_positions, expert_size = output[0], output[3]
+            experts = torch.repeat_interleave(torch.arange(len(expert_size), device=sorted_positions.device),
+                                              torch.tensor(expert_size, device=sorted_positions.device))
+            flat = torch.empty_like(sorted_positions)
+            flat[sorted_positions] = experts
+            callback(flat.view(-1, layer.top_k))
+
+        return layer.block.router.register_forward_hook(on_router)
+
 
 class SigmoidGroupLimited:
     """DeepSeek-V3 / Kimi-K2 / Moonlight: sigmoid scores gathered at the chosen experts, normalised,

@@ -239,3 +239,63 @@ def load_model(info: CheckpointInfo, dtype: str = "fp32", device: str | torch.de
         raise CheckpointError(f"{info.path}: the model's MoE layers {numbers} differ from what config.json says "
                               f"({info.moe_layers()}); R3 would replay routes into the wrong layers")
     return model.eval()
+
+
+def model_shape(config: dict, lora_cfg) -> "ModelShape":
+    """Exact parameter and LoRA counts of a checkpoint's config, from transformers' own class built on the meta
+    device (no weight is allocated or read): the inputs of the one-device memory plan."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moerl.models.families import family
+    from moerl.planner import ModelShape
+
+    fam = family(config["model_type"])
+    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    params = sum(p.numel() for p in model.parameters())
+    lora = 0
+    attention = set(fam.attention) if lora_cfg.target_attention else set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in attention and isinstance(module, torch.nn.Linear):
+            lora += lora_cfg.rank * (module.in_features + module.out_features)
+    if lora_cfg.target_experts:
+        for name, p in model.named_parameters():
+            if p.dim() == 3 and any(name.endswith(t) for t in fam.experts):
+                experts, out_f, in_f = p.shape
+                lora += experts * lora_cfg.rank * (in_f + out_f)
+    n, heads = hf.num_hidden_layers, hf.num_attention_heads
+    if config["model_type"] in ("deepseek_v3", "deepseek_v2"):  # transformers caches MLA's full keys and values
+        kv = n * heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim)
+    else:
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        kv = n * 2 * getattr(hf, "num_key_value_heads", heads) * head_dim
+    return ModelShape(params=params, lora_params=lora, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+                      num_layers=n, kv_values_per_token=kv)
+
+
+def device_memory_gib(device: torch.device) -> tuple[float, str]:
+    """(memory in GiB, a name) of ``device``: a GPU's total memory, or the machine's RAM for the CPU."""
+    import os
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory / 1024**3, props.name
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, "cpu (RAM)"
+
+
+def memory_plan(cfg, config: dict | None = None, device_gib: float | None = None):
+    """The one-device plan of an experiment config with ``model.path`` (its config.json, or ``config``), on
+    the device it will run on (or a device of ``device_gib`` GiB: plan for a GPU from another machine)."""
+    from moerl.planner import plan_one_device
+
+    if config is None:
+        config = _read_json(Path(cfg.model.path) / "config.json", "model's config")
+    device = resolve_device(cfg.device) if device_gib is None else None
+    gib, name = device_memory_gib(device) if device is not None else (device_gib, f"a {device_gib:g} GiB device")
+    return plan_one_device(model_shape(config, cfg.lora), trainer_dtype=cfg.trainer.dtype,
+                           rollout_sequences=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                           sequence_tokens=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                           micro_batch=cfg.trainer.micro_batch_size,
+                           activation_checkpointing=cfg.trainer.activation_checkpointing,
+                           device_gib=gib, device_name=name)

@@ -277,6 +277,15 @@ def load_base(cfg: ExperimentConfig, progress: bool = True):
     info = inspect_checkpoint(cfg.model.path)
     tokenizer = load_tokenizer(info, cfg.model.trust_remote_code, need_chat_template=cfg.data.chat_template)
     device = resolve_device(cfg.device)
+    from moerl.models.pretrained import CheckpointError, memory_plan
+    from moerl.planner import one_device_report
+
+    plan = memory_plan(cfg, info.config)  # before a weight is read
+    log.info("%s", one_device_report(plan))
+    if device.type == "cuda" and plan.margin_gib < 0:
+        raise CheckpointError(f"{info.path}: the memory plan needs {plan.total_gib:.1f} GiB, the GPU has "
+                              f"{plan.device_gib:.1f} GiB (scripts/plan_device.py shows each part); lower "
+                              f"rollout.prompts_per_step, trainer.micro_batch_size, lora.rank, or set trainer.dtype=bf16")
     log.info("loading %s (%s, %d MoE layers) in %s on %s", info.path, info.model_type, len(info.moe_layers()),
              cfg.trainer.dtype, device)
     model = load_model(info, cfg.trainer.dtype, device, implementation(cfg.model.experts_implementation))

@@ -43,11 +43,16 @@ def parse_args(argv):
     ap.add_argument("--no-chat-template", action="store_true", help="plain prompts (a tokenizer without a template)")
     ap.add_argument("--trust-remote-code", action="store_true", help="the checkpoint's own tokenizer code (Moonlight)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on a CPU")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                    help="the embedded engine (every precision), or vLLM over the checkpoint (bf16, fp16, fp32; "
+                         "routes only where vLLM captures them, on a GPU)")
     args = ap.parse_args(argv)
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     bad = [p for p in args.precisions if p not in PRECISIONS]
     if bad or not args.precisions:
         ap.error(f"--precisions: {bad or 'none given'} (expected some of {', '.join(PRECISIONS)})")
+    if args.engine == "vllm" and set(args.precisions) - {"bf16", "fp16", "fp32"}:
+        ap.error("--engine vllm: --precisions of bf16, fp16, fp32 (vLLM's own quantized formats are not moerl's)")
     for name in ("prompts", "max_new_tokens", "batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -65,6 +70,8 @@ def plot(record: dict, path: Path, title: str) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for name in precisions:
         layers = record["precisions"][name]["reroute_per_layer"]
+        if layers is None:
+            continue
         x = [int(k) for k in layers]
         y = [layers[k]["value"] for k in layers]
         lo = [layers[k]["value"] - layers[k]["ci95"][0] for k in layers]
@@ -80,9 +87,10 @@ def plot(record: dict, path: Path, title: str) -> Path:
     left.set_title("Where routes flip: trainer vs engine, per MoE layer", fontsize=10)
     width = 0.38
     for j, (key, label) in enumerate((("k3", "native routing"), ("r3_k3", "engine's routes replayed (R3)"))):
-        vals = [record["precisions"][p][key]["value"] for p in precisions]
-        errs = [[v - record["precisions"][p][key]["ci95"][0] for v, p in zip(vals, precisions)],
-                [record["precisions"][p][key]["ci95"][1] - v for v, p in zip(vals, precisions)]]
+        entries = [record["precisions"][p][key] or {"value": float("nan"), "ci95": [float("nan")] * 2}
+                   for p in precisions]  # no R3 where the engine returned no routes
+        vals = [e["value"] for e in entries]
+        errs = [[v - e["ci95"][0] for v, e in zip(vals, entries)], [e["ci95"][1] - v for v, e in zip(vals, entries)]]
         right.bar([i + (j - 0.5) * width for i in range(len(precisions))], vals, width, yerr=errs, capsize=3,
                   label=label)
     right.set_xticks(range(len(precisions)), precisions)
@@ -108,7 +116,7 @@ def main(argv=None) -> int:
     from moerl.data.prompts import PromptFormat
     from moerl.models.pretrained import (eos_token_ids, inspect_checkpoint, load_model, load_tokenizer,
                                          resolve_device)
-    from moerl.trainer.probe import run_probe
+    from moerl.trainer.probe import hf_engine, run_probe, vllm_engine
 
     out = Path(args.out)
     if out.suffix != ".json":
@@ -133,8 +141,9 @@ def main(argv=None) -> int:
                            stop_ids=tuple(eos_token_ids(info, tokenizer)))
     record = run_probe(trainer, tokenizer, prompts, rows, args.precisions, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch, kernels=args.kernels, temperature=args.temperature, seed=args.seed,
-                       progress=lambda line: print(line, flush=True))
-    record.update({"checkpoint": str(info.path), "model_type": info.model_type, "fingerprint": info.fingerprint(),
+                       progress=lambda line: print(line, flush=True),
+                       make_engine=vllm_engine(str(info.path)) if args.engine == "vllm" else hf_engine)
+    record.update({"engine": args.engine, "checkpoint": str(info.path), "model_type": info.model_type, "fingerprint": info.fingerprint(),
                    "data": str(args.data), "task": args.task, "trainer_dtype": args.dtype, "device": str(device),
                    "kernels": args.kernels, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                    "seed": args.seed, "chat_template": not args.no_chat_template, "seconds": round(time.time() - start, 1),
@@ -147,8 +156,9 @@ def main(argv=None) -> int:
     figure = plot(record, out.with_suffix(".png"), f"{info.path.name} ({info.model_type}): {len(rows)} prompts, "
                                                     f"trainer {args.dtype} on {device}")
     for name, r in record["precisions"].items():
-        print(f"[probe] {name}: k3 {r['k3']['value']:.3g} (R3 {r['r3_k3']['value']:.3g}), re-routed in >= 1 layer "
-              f"{r['reroute_any']['value']:.3f}, ratio > 2 {r['ratio_gt2']['value']:.4f}")
+        routes = (f"R3 {r['r3_k3']['value']:.3g}), re-routed in >= 1 layer {r['reroute_any']['value']:.3f}"
+                  if r["reroute_any"] else "no routes from this engine)")
+        print(f"[probe] {name}: k3 {r['k3']['value']:.3g} ({routes}, ratio > 2 {r['ratio_gt2']['value']:.4f}")
     print(f"[probe] wrote {out} and {figure} in {time.time() - start:.0f} s")
     return 0
 

@@ -79,6 +79,11 @@ class PromptFormat:
                         add_special_tokens=self.checkpoint and not self.chat_template)
         return enc.input_ids, enc.attention_mask
 
+    def token_ids(self, tokenizer, questions: list[str]) -> list[list[int]]:
+        """Unpadded prompt ids, one list per question (what vLLM takes)."""
+        add = self.checkpoint and not self.chat_template
+        return [tokenizer(text, add_special_tokens=add).input_ids for text in self.texts(tokenizer, questions)]
+
     def stops(self, tokenizer) -> list[int]:
         return list(self.stop_ids) or [tokenizer.eos_token_id]
 

@@ -162,8 +162,12 @@ class GRPOTrainer:
         elif cfg.rollout.engine == "vllm":  # vLLM over the base weights; the adapter arrives by refit
             from moerl.rollout.vllm import VLLMAdapterRefit, VLLMEngine
 
-            self.engine = VLLMEngine.from_policy(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
-                                                 self.family, self.run_dir / "vllm_engine", cfg.data.task)
+            if cfg.model.path:  # vLLM reads the checkpoint's own files
+                self.engine = VLLMEngine.from_checkpoint(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
+                                                         cfg.model.path, self.run_dir / "vllm_engine", self.prompts)
+            else:
+                self.engine = VLLMEngine.from_policy(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
+                                                     self.family, self.run_dir / "vllm_engine", cfg.data.task)
         else:
             self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, self.prompts)
         self.refitter = (VLLMAdapterRefit(self.policy, self.engine) if cfg.rollout.engine == "vllm" else

@@ -74,19 +74,22 @@ def probe_batch(trainer: torch.nn.Module, engine: HFEngine, questions: list[str]
     with trainer_routing(trainer, batch) as session:
         native_logp, _ = forward_logprobs(trainer, batch, temperature)
     native = session_trace(session, batch)
+    k3, extreme = _token_terms(native_logp, batch.rollout_logprobs, mask)
+    tokens = mask.sum(-1)
+    for i in range(len(questions)):
+        stats.k3.append([float(k3[i]), float(tokens[i])])
+        stats.ratio_gt2.append([float(extreme[i]), float(tokens[i])])
+    if batch.routing is None:  # an engine that returns no routes (vLLM's CPU build): k3 only
+        return
     with trainer_routing(trainer, batch, batch.routing):
         r3_logp, _ = forward_logprobs(trainer, batch, temperature)
-    k3, extreme = _token_terms(native_logp, batch.rollout_logprobs, mask)
     r3_k3, r3_extreme = _token_terms(r3_logp, batch.rollout_logprobs, mask)
-    tokens = mask.sum(-1)
     rollout = batch.routing.truncate_tokens(native.indices.shape[1])
     differs = ~same_set(native.indices, rollout.indices) & rollout.valid[..., None]  # [N, T, L]
     routed = rollout.valid.sum(-1)
     for i in range(len(questions)):
         n = float(tokens[i])
-        stats.k3.append([float(k3[i]), n])
         stats.r3_k3.append([float(r3_k3[i]), n])
-        stats.ratio_gt2.append([float(extreme[i]), n])
         stats.r3_ratio_gt2.append([float(r3_extreme[i]), n])
         stats.reroute_any.append([float(differs[i].any(-1).sum()), float(routed[i])])
         stats.reroute_layer.append([differs[i].sum(0).tolist(), float(routed[i])])
@@ -95,26 +98,50 @@ def probe_batch(trainer: torch.nn.Module, engine: HFEngine, questions: list[str]
 def summarise(stats: PromptStats, moe_layers: tuple[int, ...], seed: int = 0) -> dict:
     """The per-precision record of the probe's JSON (values and 95 % intervals over prompts)."""
     def entry(pairs):
+        if not pairs:  # the engine returned no routes: nothing to re-route or replay
+            return None
         arr = np.asarray(pairs, float)
         value, low, high = bootstrap_ratio(arr[:, 0], arr[:, 1], seed)
         return {"value": value, "ci95": [low, high]}
 
-    per_layer = np.asarray([row[0] for row in stats.reroute_layer], float)  # [prompts, L]
-    routed = np.asarray([row[1] for row in stats.reroute_layer], float)
-    layers = {}
-    for j, number in enumerate(moe_layers):
-        value, low, high = bootstrap_ratio(per_layer[:, j], routed, seed)
-        layers[str(number)] = {"value": value, "ci95": [low, high]}
+    layers, routed = None, np.zeros(0)
+    if stats.reroute_layer:
+        per_layer = np.asarray([row[0] for row in stats.reroute_layer], float)  # [prompts, L]
+        routed = np.asarray([row[1] for row in stats.reroute_layer], float)
+        layers = {}
+        for j, number in enumerate(moe_layers):
+            value, low, high = bootstrap_ratio(per_layer[:, j], routed, seed)
+            layers[str(number)] = {"value": value, "ci95": [low, high]}
     return {"k3": entry(stats.k3), "r3_k3": entry(stats.r3_k3), "ratio_gt2": entry(stats.ratio_gt2),
             "r3_ratio_gt2": entry(stats.r3_ratio_gt2), "reroute_any": entry(stats.reroute_any),
             "reroute_per_layer": layers, "prompts": len(stats.k3),
             "response_tokens": int(sum(n for _, n in stats.k3)), "routed_tokens": int(routed.sum())}
 
 
+def hf_engine(trainer, tokenizer, cfg: RolloutConfig, prompts):
+    """The embedded engine: a copy of the trainer's weights in ``cfg.dtype``."""
+    return HFEngine(trainer, tokenizer, cfg, prompts)
+
+
+def vllm_engine(checkpoint: str, **llm_kwargs):
+    """An engine factory for vLLM over the checkpoint's own files (no LoRA: the probe trains nothing).
+    Routes come back where vLLM can capture them (a GPU); on its CPU build the record has k3 only."""
+    def make(trainer, tokenizer, cfg: RolloutConfig, prompts):
+        from moerl.config import LoraConfig
+        from moerl.rollout.vllm import VLLMEngine, running_on_cpu
+
+        cfg = dataclasses.replace(cfg, capture_routing=not running_on_cpu())
+        lora = LoraConfig(target_experts=False)
+        return VLLMEngine.from_checkpoint(trainer, tokenizer, cfg, lora, checkpoint, "/dev/shm/moerl_probe", prompts,
+                                          **llm_kwargs)
+    return make
+
+
 def run_probe(trainer: torch.nn.Module, tokenizer, prompts, rows: list[dict], precisions: list[str], *,
               max_new_tokens: int, batch_size: int = 8, kernels: str = "native", temperature: float = 1.0,
-              seed: int = 0, progress=print) -> dict:
-    """The probe's ``precisions`` record for ``rows`` (``question``/``answer`` dicts), printing progress."""
+              seed: int = 0, progress=print, make_engine=hf_engine) -> dict:
+    """The probe's ``precisions`` record for ``rows`` (``question``/``answer`` dicts), printing progress.
+    ``make_engine(trainer, tokenizer, rollout_cfg, prompts)``: the embedded engine, or ``vllm_engine(path)``."""
     from moerl.models.routers import moe_layer_numbers
 
     moe_layers = moe_layer_numbers(trainer)
@@ -125,7 +152,7 @@ def run_probe(trainer: torch.nn.Module, tokenizer, prompts, rows: list[dict], pr
         cfg = RolloutConfig(dtype=precision, kernels=kernels if precision != "fp32" else "native",
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0,
                             capture_routing=True, prompts_per_step=batch_size, group_size=2)
-        engine = HFEngine(trainer, tokenizer, cfg, prompts)
+        engine = make_engine(trainer, tokenizer, cfg, prompts)
         stats = PromptStats()
         for i in range(0, len(rows), batch_size):
             chunk = rows[i: i + batch_size]
@@ -136,6 +163,8 @@ def run_probe(trainer: torch.nn.Module, tokenizer, prompts, rows: list[dict], pr
             progress(f"[probe] {precision}: {min(i + batch_size, len(rows))}/{len(rows)} prompts, "
                      f"{time.time() - start:.0f} s, about {rate * (total - done):.0f} s to go")
         out[precision] = summarise(stats, moe_layers, seed)
+        if hasattr(engine, "close"):
+            engine.close()
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -29,29 +29,30 @@ def _tiny_configs(vocab_size: int, ids: dict) -> dict:
     from transformers import (DeepseekV2Config, DeepseekV3Config, GraniteMoeConfig, MixtralConfig, OlmoeConfig,
                               Qwen2MoeConfig, Qwen3MoeConfig)
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    # head_dim 32: vLLM's CPU attention refuses smaller heads ("Unsupported CPU attention configuration")
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   max_position_embeddings=1024, tie_word_embeddings=False, **ids)
     mla = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
     return {
-        "olmoe": lambda: OlmoeConfig(**common, num_key_value_heads=4, intermediate_size=32, num_experts=8,
+        "olmoe": lambda: OlmoeConfig(**common, num_key_value_heads=2, intermediate_size=32, num_experts=8,
                                      num_experts_per_tok=2),
-        "qwen3_moe": lambda: Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, num_key_value_heads=1, head_dim=32, intermediate_size=128,
                                             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                             norm_topk_prob=True),
-        "qwen2_moe": lambda: Qwen2MoeConfig(**common, num_key_value_heads=2, intermediate_size=128,
+        "qwen2_moe": lambda: Qwen2MoeConfig(**common, num_key_value_heads=1, intermediate_size=128,
                                             moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                             num_experts=8, num_experts_per_tok=2),
-        "mixtral": lambda: MixtralConfig(**common, num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+        "mixtral": lambda: MixtralConfig(**common, num_key_value_heads=1, intermediate_size=32, num_local_experts=4,
                                          num_experts_per_tok=2),
-        "granitemoe": lambda: GraniteMoeConfig(**common, num_key_value_heads=4, intermediate_size=32,
+        "granitemoe": lambda: GraniteMoeConfig(**common, num_key_value_heads=2, intermediate_size=32,
                                                num_local_experts=4, num_experts_per_tok=2),
         # Moonlight-16B-A3B's shape, shrunk: one dense first layer, shared experts, sigmoid routing, no q LoRA.
-        "deepseek_v3": lambda: DeepseekV3Config(**{**common, "num_hidden_layers": 3}, num_key_value_heads=4,
+        "deepseek_v3": lambda: DeepseekV3Config(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2,
                                                 intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                                                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                                                 n_group=1, topk_group=1, norm_topk_prob=True, **mla),
         # DeepSeek-V2-Lite's shape, shrunk: one dense first layer, two shared experts, softmax greedy routing.
-        "deepseek_v2": lambda: DeepseekV2Config(**{**common, "num_hidden_layers": 3}, num_key_value_heads=4,
+        "deepseek_v2": lambda: DeepseekV2Config(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2,
                                                 intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                                                 num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
                                                 topk_method="greedy", n_group=1, topk_group=1, **mla),

@@ -243,3 +243,11 @@ def test_memory_plan_counts_olmoe_exactly_and_says_whether_it_fits():
     assert abs(shape.params / 6.92e9 - 1) < 0.01  # published: 6.9B total
     assert memory_plan(cfg, olmoe, 80).margin_gib > 0
     assert memory_plan(cfg, olmoe, 40).margin_gib < 0
+
+
+def test_the_new_keys_leave_the_committed_warm_starts_found():
+    """The checkpoint keys are not read by a warm start, so they do not change its cache key."""
+    from moerl.trainer.warm_start import warm_start_dir
+
+    for arm in ("experiments/00_tiny_moe_cpu/arms/baseline.yaml", "experiments/07_dose_threshold/arms/baseline.yaml"):
+        assert (warm_start_dir(load_config(arm)) / "meta.json").exists(), arm

@@ -27,7 +27,7 @@ fi
 want=$(grep -hoE '^[A-Za-z0-9_.-]+==' requirements/device.txt requirements/device-sdist.txt | wc -l)
 have=$(ls "$dir"/*.whl | wc -l)
 if [ "$want" != "$have" ]; then
-  echo "[device-wheels] error: $dir holds $have wheels, requirements-device*.txt pin $want: empty $dir and rerun" >&2
+  echo "[device-wheels] error: $dir holds $have wheels, requirements/device*.txt pin $want: empty $dir and rerun" >&2
   exit 2
 fi
 (cd "$dir" && sha256sum ./*.whl > SHA256SUMS)

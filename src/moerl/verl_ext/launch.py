@@ -68,7 +68,7 @@ def _installed_version(package: str) -> str | None:
 
 
 def vllm_version_for_run() -> tuple[str, str]:
-    """(version, where it came from): the installed vLLM if any, else the requirements-gpu pin."""
+    """(version, where it came from): the installed vLLM if any, else the requirements/gpu.txt pin."""
     try:
         from importlib.metadata import version
 

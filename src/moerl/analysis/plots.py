@@ -233,8 +233,13 @@ def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None, paper
                 ax.plot(taus, scaled, ls="--", lw=1.0, color=arm_color(arm),
                         label=f"{arm} × {float(ref['scale']):g}: {ref.get('label', 'source')}")
     ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=(floor or 1e-6) / 2)  # an arm with no extreme token sits at 0
+    linthresh = (floor or 1e-6) / 2
+    ax.set_yscale("symlog", linthresh=linthresh)  # an arm with no extreme token sits at 0
     ax.set_ylim(bottom=0)
+    # 0, then powers of ten above the linear stretch only: a tick inside it would sit on top of 0's
+    first = int(np.ceil(np.log10(linthresh)))
+    ax.set_yticks([0.0] + [10.0 ** k for k in range(first, 1)])
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xticks(taus, [f"{t:g}" for t in taus])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tau")
@@ -269,7 +274,8 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
     (per-step k3 is heavy-tailed); line = geometric mean over seeds, band = min-max. One panel per
     ``{title, arms}`` of ``panels``. An arm at the numerical floor (fp32 rollout, below FLOOR_RATIO
     of its baseline) is named in a note rather than drawn: it would stretch the axis by decades."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.3 * len(panels), 6.4), 3.6), squeeze=False, sharey=True)
+    # Each panel its own ratio axis: a broken arm at 1000x would otherwise flatten the corrections near 1x.
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.3 * len(panels), 6.4), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         notes = []
         for arm in panel["arms"]:
@@ -299,10 +305,13 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
         ax.set_title(panel.get("title", ""), fontsize=9)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
-        if notes:
-            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
-        if ax.get_legend_handles_labels()[0]:  # a panel whose only arm sits at the floor has no line
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+        low, high = ax.get_ylim()
+        if high / max(low, 1e-300) > 100:  # over more than two decades the minor labels (0.2×, 0.3×, ...) collide
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        for note in notes:  # in the legend under the panel, not over the curves or past the axes
+            ax.plot([], [], " ", label=note)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=1, frameon=False)
     axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\n÷ same family's baseline, same seed", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

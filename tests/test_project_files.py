@@ -30,3 +30,17 @@ def test_citation_names_every_paper_of_the_readme_references():
 def test_requirements_files_live_in_one_folder():
     assert not list(REPO.glob("requirements*.txt")) and not (REPO / "constraints.txt").exists()
     assert {"cpu.txt", "constraints.txt", "gpu.txt"} <= {p.name for p in (REPO / "requirements").glob("*.txt")}
+
+
+# How the GPU checks were run while the repository was developed is not a user's business: user docs name
+# commands a user with a GPU runs.
+DEVELOPMENT_TOOLING = re.compile(r"device tool|device call|\blent\b|`carry|carry: \[|timeout_s|files_at|"
+                                 r"nvidia-h100-x1|budget_left|give the machine back", re.I)
+
+
+def test_user_docs_do_not_describe_the_development_tooling():
+    docs = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "experiments").glob("*/README.md"),
+            REPO / "analysis" / "README.md", REPO / "docker" / "APPTAINER.md"]
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}" for p in docs if p.exists()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if DEVELOPMENT_TOOLING.search(line)]
+    assert hits == []

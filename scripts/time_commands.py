@@ -83,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 def table(record: dict) -> str:
     """The README's time table from a record (in COMMANDS' order)."""
     rows = [record["commands"][n] for n in COMMANDS if n in record.get("commands", {})]
-    lines = ["| command | time | cores |", "|---|---|---|"]
+    lines = ["| command | time |", "|---|---|"]
     for r in rows:
         seconds = r["seconds"]
         shown = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
         failed = "" if r["exit_status"] == 0 else f" (exit {r['exit_status']})"
-        lines.append(f"| `{r['command']}` | {shown}{failed} | {r['cores']} |")
+        lines.append(f"| `{r['command']}` | {shown}{failed} |")
     return "\n".join(lines)
 
 

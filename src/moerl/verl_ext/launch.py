@@ -123,6 +123,7 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
         micro_batch_tokens=int(micro),
         train_batch_size=int(select(cfg, "data.train_batch_size")),
         rollout_n=int(select(cfg, r + "n")),
+        refit_bucket_mib=int(select(cfg, r + "checkpoint_engine.update_weights_bucket_megabytes", 2048)),
     )
 
 

@@ -102,3 +102,17 @@ def test_scale_experiments_and_rungs_freeze_the_expert_bias(experiment, rung):
     cfg = compose_experiment(load_experiment(rung_file(where, rung) if rung else where))
     otc = OmegaConf.select(cfg, "actor_rollout_ref.actor.megatron.override_transformer_config")
     assert otc["moe_router_bias_update_rate"] == 0
+
+
+def test_a_path_missing_where_the_job_starts_fails_a_launch_and_is_named_in_a_dry_run(tmp_path):
+    there = tmp_path / "model"
+    there.mkdir()
+    gone = str(tmp_path / "lustre" / "kimi_k2_bf16")
+    for launching in (True, False):
+        f = _one(_spec(model_path=gone, train_files=[str(there)], launching=launching), "paths.exist_where_the_job_runs")
+        assert f.ok is not launching and gone in f.detail
+        tok = _one(_spec(model_path=gone, launching=launching), "model.tokenizer_loads")
+        assert (tok is None) if not launching else (not tok.ok and "does not exist where the job starts" in tok.detail)
+    hub = _one(_spec(model_path="moonshotai/Kimi-K2-Instruct", train_files=str(there), launching=True),
+               "paths.exist_where_the_job_runs")
+    assert hub.ok  # a hub id is the hub's to find

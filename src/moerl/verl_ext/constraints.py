@@ -508,6 +508,45 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what verl hands the hub when no such path exists
+
+
+def missing_local_path(path) -> bool:
+    """A filesystem path (not a hub id such as ``moonshotai/Kimi-K2-Instruct``) that does not exist here."""
+    from pathlib import Path
+
+    text = str(path or "")
+    return bool(text) and not HUB_ID.fullmatch(text) and not Path(text).expanduser().exists()
+
+
+RUN_PATHS = {"actor_rollout_ref.model.path": "model_path", "data.train_files": "train_files",
+             "data.val_files": "val_files"}
+
+
+@rule("paths.exist_where_the_job_runs", f"{VERL}: utils/fs.py copy_to_local (a path that does not exist is taken "
+      f"for a hub id), trainer/main_ppo.py (datasets opened after Ray and the workers start); Apptainer binds "
+      f"only $PWD by default (scripts/slurm_verl.sbatch binds the rest)")
+def _paths_exist(spec):
+    if spec.rollout is None:
+        return None
+    missing = {}
+    for key, field_ in RUN_PATHS.items():
+        value = spec.verl.get(field_)
+        values = [value] if value is None or isinstance(value, str) else list(value)  # data files may be a list
+        gone = [str(v) for v in values if missing_local_path(v)]
+        if gone:
+            missing[key] = gone[0] if len(gone) == 1 else gone
+    if not missing:
+        return "model and data paths exist here (or name a hub id)"
+    text = ", ".join(f"{k}={v}" for k, v in missing.items())
+    if spec.verl.get("launching"):
+        raise Broken(f"{text}: not found on this node, where the job starts (inside the container when there is one): "
+                     f"verl would fail after Ray, vLLM and Megatron start-up; fix: set the path's variable "
+                     f"(KIMI_K2_PATH, MOONLIGHT_PATH, QWEN3_30B_A3B_PATH, MOERL_DATA_DIR, MOERL_CKPT) to a directory "
+                     f"every node sees and bind it into the container (scripts/slurm_verl.sbatch)")
+    return f"dry run: {text} not on this machine; a launch refuses them unless they exist where it runs"
+
+
 @rule("model.tokenizer_loads", f"{VERL}: verl/utils/tokenizer/tokenizer.py hf_tokenizer (AutoTokenizer.from_pretrained "
       "with trust_remote_code, run on the model directory under the installed transformers); Kimi-K2/Moonlight ship "
       "a tiktoken TikTokenTokenizer (tokenization_kimi.py) through auto_map")
@@ -515,8 +554,11 @@ def _model_tokenizer(spec):
     from pathlib import Path
 
     path = spec.verl.get("model_path")
+    if spec.verl.get("launching") and missing_local_path(path):
+        raise Broken(f"actor_rollout_ref.model.path={path} does not exist where the job starts, so its tokenizer "
+                     f"cannot be checked or loaded; fix: the model directory, bound into the container")
     if not path or not (Path(path) / "tokenizer_config.json").is_file():
-        return None  # a hub id or a directory not on this machine: loaded for the first time by the run
+        return None  # a hub id, or a dry run away from the cluster: rule paths.exist_where_the_job_runs says which
     return tokenizer_check(str(path), bool(spec.verl.get("trust_remote_code")))
 
 
@@ -1091,6 +1133,7 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                      "rollout.log_prob_max_token_len_per_gpu": _resolved(
                          cfg, r + "log_prob_max_token_len_per_gpu")},
                   model_path=_resolved(cfg, "actor_rollout_ref.model.path"),
+                  train_files=_resolved(cfg, "data.train_files"), val_files=_resolved(cfg, "data.val_files"),
                   trust_remote_code=bool(sel("actor_rollout_ref.model.trust_remote_code", False)),
                   ratio_band=moerl.get("ratio_band"),
                   rollout_correction=OmegaConf.to_container(sel("algorithm.rollout_correction"), resolve=True)

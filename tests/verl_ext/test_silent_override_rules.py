@@ -116,3 +116,16 @@ def test_a_path_missing_where_the_job_starts_fails_a_launch_and_is_named_in_a_dr
     hub = _one(_spec(model_path="moonshotai/Kimi-K2-Instruct", train_files=str(there), launching=True),
                "paths.exist_where_the_job_runs")
     assert hub.ok  # a hub id is the hub's to find
+
+
+def test_the_fp8_hub_release_is_refused_at_launch_and_named_in_a_dry_run():
+    """Kimi-K2-Instruct's published config.json carries block-FP8 quantization; a launch whose model path is
+    the hub id (or a missing directory) is refused, a dry run off the cluster says so and goes on."""
+    assert K2["quantization_config"]["quant_method"] == "fp8"
+    hub = dict(model_path="moonshotai/Kimi-K2-Instruct")
+    launch = _one(_spec(**hub, launching=True), "model.checkpoint_not_quantized")
+    assert not launch.ok and "published config.json of Kimi-K2" in launch.detail
+    dry = _one(_spec(**hub, launching=False), "model.checkpoint_not_quantized")
+    assert dry.ok and dry.detail.startswith("dry run:") and "a launch refuses it" in dry.detail
+    assert _one(_spec(MOON, **{"model_path": "moonshotai/Moonlight-16B-A3B"}, launching=True),
+                "model.checkpoint_not_quantized").ok

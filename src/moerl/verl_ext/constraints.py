@@ -901,7 +901,8 @@ def checkpoint_quantization(spec) -> tuple[dict | None, str]:
     if path and (Path(path) / "config.json").is_file():
         cfg = json.loads((Path(path) / "config.json").read_text())
         return cfg.get("quantization_config"), f"{path}/config.json"
-    return spec.model.get("quantization_config"), f"{spec.model.get('_path', spec.model.get('name'))}"
+    return spec.model.get("quantization_config"), (f"the published config.json of {spec.model.get('name')} "
+                                                   f"({spec.model.get('_path', '')})")
 
 
 @rule("model.checkpoint_not_quantized", f"{VERL}: workers/rollout/vllm_rollout/vllm_async_server.py:1263-1266 "
@@ -916,6 +917,12 @@ def _checkpoint_quant(spec):
     method = q.get("quant_method")
     if method in TRAINER_QUANT_METHODS:
         return f"{method} checkpoint, run as stored by the trainer"
+    from pathlib import Path
+
+    local = spec.verl.get("model_path") and (Path(spec.verl["model_path"]) / "config.json").is_file()
+    if not local and not spec.verl.get("launching"):
+        return (f"dry run: {spec.verl.get('model_path')} is not here, and {where} has quantization_config "
+                f"quant_method={method!r}: a launch refuses it unless the path holds a bf16 checkpoint")
     raise Broken(f"actor_rollout_ref.model.path={spec.verl.get('model_path')}: {where} has quantization_config "
                  f"quant_method={method!r} ({ {k: q[k] for k in list(q)[:4]} }): vLLM serves the {method} weights "
                  f"while Megatron-Bridge dequantizes them to bf16 for the trainer, a systematic train/rollout "

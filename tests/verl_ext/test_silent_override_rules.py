@@ -129,3 +129,13 @@ def test_the_fp8_hub_release_is_refused_at_launch_and_named_in_a_dry_run():
     assert dry.ok and dry.detail.startswith("dry run:") and "a launch refuses it" in dry.detail
     assert _one(_spec(MOON, **{"model_path": "moonshotai/Moonlight-16B-A3B"}, launching=True),
                 "model.checkpoint_not_quantized").ok
+
+
+def test_turning_the_bias_update_back_on_from_the_command_line_is_refused(capsys):
+    from moerl.verl_ext import launch
+
+    argv = [str(REPO / "experiments" / "04_moonlight_16b_a3b_r3"), "--dry-run",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_bias_update_rate=0.001"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "[megatron.expert_bias_frozen_under_lora] expert-bias update rate 0.001" in err and "Traceback" not in err

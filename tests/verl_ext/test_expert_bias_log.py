@@ -46,3 +46,23 @@ def test_a_frozen_bias_passes_and_a_missing_log_is_one_line(tmp_path):
 
 def test_beside_the_refit_log():
     assert ebl.beside("/logs/04_rung1_seed0.refit.jsonl").name == "04_rung1_seed0.expert_bias.jsonl"
+
+
+def test_install_waits_for_megatron_core_to_be_imported(tmp_path):
+    """A process that imports verl (and so this hook) but never megatron-core does not load it; one that
+    does gets the wrapper as the package is imported. Run in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from moerl.verl_ext import expert_bias_log as e\n"
+        f"assert e.install({str(tmp_path / 'x.expert_bias.jsonl')!r})\n"
+        "assert 'megatron.core' not in sys.modules\n"
+        "import megatron.core.distributed as d\n"
+        "assert d.finalize_model_grads.moerl_wrapped.__name__ == 'finalize_model_grads'\n"
+        "from megatron.core.distributed import finalize_model_grads as f\n"
+        "assert f is d.finalize_model_grads\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

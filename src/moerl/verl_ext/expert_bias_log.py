@@ -10,7 +10,8 @@ trainer has and the rollout and a resume do not. The experiments freeze it (rule
 Where the hook sits: verl 0.9.1 registers megatron-core's ``finalize_model_grads`` as each model's
 ``config.finalize_model_grads_func`` and imports it when it does so (``utils/megatron_utils.py:1726-1738``,
 ``from megatron.core.distributed import finalize_model_grads`` inside the function). ``install`` replaces
-that package attribute with a wrapper, before any worker builds its model: the wrapper copies every
+that package attribute with a wrapper, when the package is first imported (an import hook, so processes
+that never import megatron-core do not load it), before any worker builds its model: the wrapper copies every
 router's ``expert_bias`` on its first call (the value loaded from the checkpoint, before the first update),
 calls megatron-core's function unchanged, then appends one JSON row: ``call`` (1 = step 1's first
 gradient finalisation), ``rank`` (env ``RANK``), ``routers`` and ``max_abs_drift`` (largest |bias - loaded
@@ -24,8 +25,11 @@ installs this hook whenever it is installed itself); ``scripts/check_first_steps
 from __future__ import annotations
 
 import fcntl
+import importlib.abc
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 SUFFIX = ".expert_bias.jsonl"
@@ -67,15 +71,48 @@ def wrap(finalize, path: str | Path):
     return finalize_model_grads
 
 
+TARGET = "megatron.core.distributed"
+
+
+def _patch(module, path) -> None:
+    if getattr(module.finalize_model_grads, "moerl_wrapped", None) is None:
+        module.finalize_model_grads = wrap(module.finalize_model_grads, path)
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Patches ``megatron.core.distributed`` right after it is first imported, so a process that never
+    imports megatron-core (vLLM's workers import verl, and so this module) never loads it because of us."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TARGET:
+            return None
+        sys.meta_path.remove(self)  # once, and the normal finders locate the package
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run, log = spec.loader.exec_module, self.path
+
+        def exec_module(module):
+            run(module)
+            _patch(module, log)
+
+        spec.loader.exec_module = exec_module  # this spec's own loader object
+        return spec
+
+
 def install(path: str | Path) -> bool:
-    """Point ``megatron.core.distributed.finalize_model_grads`` at the logging wrapper (False: megatron-core
-    is not importable in this process, e.g. a rollout-only process)."""
-    try:
-        import megatron.core.distributed as mcd
-    except ImportError:
+    """Point ``megatron.core.distributed.finalize_model_grads`` at the logging wrapper: now if megatron-core
+    is imported, else when it is (False: megatron-core is not installed here)."""
+    if TARGET in sys.modules:
+        _patch(sys.modules[TARGET], path)
+        return True
+    if importlib.util.find_spec("megatron") is None:
         return False
-    if getattr(mcd.finalize_model_grads, "moerl_wrapped", None) is None:
-        mcd.finalize_model_grads = wrap(mcd.finalize_model_grads, path)
+    if not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport(path))
     return True
 
 

@@ -519,7 +519,7 @@ def plan(cfg: dict, layout: Layout) -> Plan:
     packed = math.ceil(tokens_step * bits / 8)
     int16 = tokens_step * len(moe_layer_indices(cfg)) * k * 2
 
-    # The refit, on each rollout GPU (verl 0.9.1 colocated "naive" sync, workers/engine_workers.py:764-800):
+    # The refit, on each rollout GPU (verl 0.9.1 colocated "naive" sync, workers/engine_workers.py:768-815):
     # vLLM's weights are resumed (KV cache still freed), the trainer loads its parameters back to the GPU
     # (engine/megatron/transformer_impl.py:1036-1040: the adapters only, once the base is synced) and
     # streams them through one CUDA bucket it shares with vLLM by IPC (rollout/vllm_rollout/

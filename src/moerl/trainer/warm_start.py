@@ -36,10 +36,16 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[3]
 
 
+# Keys a warm start never reads (a checkpoint's: model.path has no warm start), left out of its cache key.
+NOT_IN_WARM_START = {"model": ("path", "trust_remote_code"), "data": ("chat_template", "instruction", "max_prompt_tokens")}
+
+
 def warm_start_key(cfg: ExperimentConfig) -> str:
     ws = to_dict(cfg.warm_start)
     ws.pop("cache_dir")
-    blob = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": ws}, sort_keys=True)
+    model, data = ({k: v for k, v in to_dict(section).items() if k not in NOT_IN_WARM_START[name]}
+                   for name, section in (("model", cfg.model), ("data", cfg.data)))
+    blob = json.dumps({"model": model, "data": data, "warm_start": ws}, sort_keys=True)
     return f"{cfg.model.preset}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

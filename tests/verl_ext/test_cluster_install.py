@@ -84,3 +84,14 @@ def test_check_cluster_env_names_the_fix(tmp_path, capsys):
     assert plugin["moerl.installed"].ok and plugin["moerl.losses"].ok and plugin["moerl.reward_fn"].ok
     assert cce.main(["--requirements", str(req), "--no-cuda"]) == 1  # verl 0.0.1 is not installed here
     assert "FAIL [pin:verl]" in capsys.readouterr().out
+
+
+def test_transformer_engines_runtime_requirements_resolve_with_the_rest():
+    """TE's setup_requirements + build_tools/pytorch.py install_requirements are resolver lines, and the
+    [megatron] extra's apex / nvidia-mathdx are explained rather than silently missing."""
+    lines = {re.split(r"[=<>\[ ]", x.split("#")[0].strip())[0].lower() for x in REQ.splitlines()
+             if x.split("#")[0].strip()}
+    assert {"pydantic", "importlib-metadata", "onnxscript", "onnx", "nvdlfw-inspect", "nvidia-cudnn-frontend",
+            "einops"} <= lines
+    assert "apex" not in lines and "nvidia-mathdx" not in lines
+    assert "build-pytorch-wheel/build.sh:14" in REQ and "not NVIDIA Apex" in REQ

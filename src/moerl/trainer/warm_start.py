@@ -36,10 +36,16 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[3]
 
 
+# Keys a warm start never reads (a checkpoint's: model.path has no warm start), left out of its cache key.
+NOT_IN_WARM_START = {"model": ("path", "trust_remote_code"), "data": ("chat_template", "instruction", "max_prompt_tokens")}
+
+
 def warm_start_key(cfg: ExperimentConfig) -> str:
     ws = to_dict(cfg.warm_start)
     ws.pop("cache_dir")
-    blob = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": ws}, sort_keys=True)
+    model, data = ({k: v for k, v in to_dict(section).items() if k not in NOT_IN_WARM_START[name]}
+                   for name, section in (("model", cfg.model), ("data", cfg.data)))
+    blob = json.dumps({"model": model, "data": data, "warm_start": ws}, sort_keys=True)
     return f"{cfg.model.preset}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -240,7 +246,8 @@ def evaluate_policy(engine, rows: list[dict], seed: int, batch: int = 256, sampl
             chunk = rows[i: i + chunk_rows]
             rb = engine.generate([r["question"] for r in chunk], [r["answer"] for r in chunk], per_problem,
                                  greedy=greedy, seed=seed + i)
-            correct += sum(batch_rewards(rb.texts, rb.answers))
+            prompts = getattr(engine, "prompts", None)
+            correct += sum(batch_rewards(rb.texts, rb.answers, bool(prompts and prompts.answers_after_hashes)))
         out[name] = correct / max(len(rows) * per_problem, 1)
     return out
 
@@ -260,3 +267,44 @@ def load_warm_start(cfg: ExperimentConfig, train_if_missing: bool = True, progre
                                                  experts_implementation=implementation(cfg.model.experts_implementation))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     return model.float(), tokenizer, json.loads((path / "meta.json").read_text())
+
+
+def load_base(cfg: ExperimentConfig, progress: bool = True):
+    """(base model, tokenizer, meta, prompt format): the checkpoint at ``model.path`` on ``device`` in
+    ``trainer.dtype``, or the tiny preset's warm start (trained first if absent) on the CPU."""
+    from moerl.data.prompts import PromptFormat
+
+    if not cfg.model.path:
+        model, tokenizer, meta = load_warm_start(cfg, progress=progress)
+        return model, tokenizer, meta, PromptFormat(cfg.data.task)
+    from moerl.models.pretrained import (eos_token_ids, inspect_checkpoint, load_model, load_tokenizer,
+                                         resolve_device)
+
+    info = inspect_checkpoint(cfg.model.path)
+    tokenizer = load_tokenizer(info, cfg.model.trust_remote_code, need_chat_template=cfg.data.chat_template)
+    device = resolve_device(cfg.device)
+    from moerl.models.pretrained import CheckpointError, memory_plan
+    from moerl.planner import one_device_report
+
+    plan = memory_plan(cfg, info.config)  # before a weight is read
+    log.info("%s", one_device_report(plan))
+    if device.type == "cuda" and plan.margin_gib < 0:
+        raise CheckpointError(f"{info.path}: the memory plan needs {plan.total_gib:.1f} GiB, the GPU has "
+                              f"{plan.device_gib:.1f} GiB (scripts/plan_device.py shows each part); lower "
+                              f"rollout.prompts_per_step, trainer.micro_batch_size, lora.rank, or set trainer.dtype=bf16")
+    log.info("loading %s (%s, %d MoE layers) in %s on %s", info.path, info.model_type, len(info.moe_layers()),
+             cfg.trainer.dtype, device)
+    model = load_model(info, cfg.trainer.dtype, device, implementation(cfg.model.experts_implementation))
+    prompts = PromptFormat(cfg.data.task, checkpoint=True, chat_template=cfg.data.chat_template,
+                           instruction=cfg.data.instruction, stop_ids=tuple(eos_token_ids(info, tokenizer)))
+    meta = {"checkpoint": str(info.path), "model_type": info.model_type, "fingerprint": info.fingerprint(),
+            "test_accuracy": None}
+    return model, tokenizer, meta, prompts
+
+
+def model_family(cfg: ExperimentConfig, model: torch.nn.Module | None = None) -> str:
+    """The family (model_type) of the run's model: the checkpoint's, or the tiny preset's."""
+    if cfg.model.path:
+        return model.config.model_type if model is not None else json.loads(
+            (Path(cfg.model.path) / "config.json").read_text())["model_type"]
+    return cfg.model.preset

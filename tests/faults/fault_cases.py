@@ -202,8 +202,9 @@ CASES = [
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "
          "kept <previous checkpoint>; free space and continue with --resume`",
          "the previous checkpoint; no temp directory", "test_disk_full.py::test_full_disk_during_a_checkpoint"),
-    Case("a full disk inside torch's writer (`optimizer.pt`, which says only `unexpected pos`)",
-         "`could not write checkpoint <path> (optimizer.pt: ... unexpected pos ...; no space left on device "
+    Case("a full disk inside a writer that does not say so (`optimizer.safetensors`, a writer saying only "
+         "`unexpected pos`)",
+         "`could not write checkpoint <path> (optimizer.safetensors: ... unexpected pos ...; no space left on device "
          "(N bytes free ...)); kept <previous checkpoint>; ...`", "the previous checkpoint",
          "test_disk_full.py::test_a_full_disk_is_named_when_torch_does_not_say_so"),
     Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)",

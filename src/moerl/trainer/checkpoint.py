@@ -12,27 +12,34 @@ manifest), falls back to the previous intact checkpoint with a warning naming th
 checkpoint without a manifest loads unverified only in a run that predates manifests (its run.json
 records no ``format`` and none of its checkpoints has one) or when asked to (``--unverified-checkpoint``).
 Only ``step_<N>`` directories are checkpoints; anything else under ``checkpoints/`` is left alone.
+
+No file of a checkpoint is unpickled: the optimizer state is a safetensors file (its non-tensor part as
+JSON in the header) and the RNG states are JSON (``moerl.trainer.state_files``), since a manifest proves
+integrity, not origin. Checkpoints written before that (``optimizer.pt``, ``rng.pt``) are read by torch's
+restricted unpickler, which refuses any file that asks to construct something other than tensors,
+containers, numbers, strings or numpy arrays.
 """
 from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
 from moerl import faults
+from moerl.trainer.state_files import load_state, rng_state, save_state, set_rng_state, unpickle_legacy_state
 
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+OPTIMIZER, RNG = "optimizer.safetensors", "rng.json"  # no pickle: reading a checkpoint runs no code
+LEGACY_OPTIMIZER, LEGACY_RNG = "optimizer.pt", "rng.pt"  # older checkpoints: restricted unpickler only
 _STEP = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.step_\d+\.(tmp|deleting)")
 _WARNED: set[Path] = set()  # stray names already reported by this process
@@ -107,11 +114,10 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
         tmp.mkdir()
         save_file({k: v.detach().contiguous() for k, v in trainable.items()}, current)
         faults.hit("checkpoint_write")
-        current = tmp / "optimizer.pt"
-        torch.save(optimizer.state_dict(), current)
-        current = tmp / "rng.pt"
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()}, current)
+        current = tmp / OPTIMIZER
+        save_state(current, optimizer.state_dict())
+        current = tmp / RNG
+        current.write_text(json.dumps(rng_state()) + "\n")
         if export is not None:
             current = tmp / "adapter"
             export(current)
@@ -193,10 +199,16 @@ def _read(path: Path) -> tuple[dict, dict, dict, dict]:
     current = path / "lora.safetensors"
     try:
         tensors = load_file(current)
-        current = path / "optimizer.pt"
-        optimizer = torch.load(current, weights_only=False)
-        current = path / "rng.pt"
-        rng = torch.load(current, weights_only=False)
+        if (path / OPTIMIZER).exists() or not (path / LEGACY_OPTIMIZER).exists():
+            current = path / OPTIMIZER
+            optimizer = load_state(current)
+            current = path / RNG
+            rng = json.loads(current.read_text())
+        else:  # written before state files: read without running anything they might hold
+            current = path / LEGACY_OPTIMIZER
+            optimizer = unpickle_legacy_state(current)
+            current = path / LEGACY_RNG
+            rng = unpickle_legacy_state(current)
         current = path / "state.json"
         state = json.loads(current.read_text())
         if not isinstance(state, dict) or "step" not in state:
@@ -255,9 +267,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
         for name, value in tensors.items():
             params[name].copy_(value)
     optimizer.load_state_dict(optimizer_state)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    set_rng_state(rng)
     return state
 
 

@@ -30,6 +30,7 @@ from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
 from moerl.models.experts import implementation
 from moerl.models.presets import build_model
+from moerl.trainer.state_files import StateFileError, load_state, save_state, unpickle_legacy_state
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,15 @@ PROGRESS_EVERY_SECONDS = 600.0
 
 
 def _progress_path(out_dir: Path) -> Path:
-    return out_dir.with_name(out_dir.name + ".progress.pt")
+    """A safetensors state file (``moerl.trainer.state_files``): reading it runs no code."""
+    return out_dir.with_name(out_dir.name + ".progress.safetensors")
+
+
+def _legacy_progress_path(out_dir_or_progress: Path) -> Path:
+    """Where versions that pickled the SFT progress saved it."""
+    p = Path(out_dir_or_progress)
+    stem = p.name.removesuffix(".progress.safetensors")
+    return p.with_name(stem + ".progress.pt")
 
 
 def _save_progress(path: Path, key: str, step: int, seconds: float, model, opt, sched, rng: random.Random) -> None:
@@ -93,16 +102,34 @@ def _save_progress(path: Path, key: str, step: int, seconds: float, model, opt, 
              "scheduler": sched.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    save_state(tmp, state)
     tmp.replace(path)
+    _legacy_progress_path(path).unlink(missing_ok=True)  # superseded
+
+
+def _read_progress(path: Path) -> dict | None:
+    """The saved SFT progress at ``path``, else at its legacy ``.progress.pt`` (read by the restricted
+    unpickler); None when there is none or it cannot be read (a warning names it: the SFT starts over)."""
+    legacy = _legacy_progress_path(path)
+    source = path if path.exists() or not legacy.exists() else legacy
+    if not source.exists():
+        return None
+    try:
+        state = load_state(source) if source == path else unpickle_legacy_state(source)
+        if not isinstance(state, dict):
+            raise StateFileError(f"{source}: expected a dict of SFT progress, got {type(state).__name__}")
+    except StateFileError as err:
+        log.warning("%s; not used: training from step 0", err)
+        return None
+    return state
 
 
 def _load_progress(path: Path, key: str, steps: int, model, opt, sched, rng: random.Random) -> tuple[int, float]:
     """(steps done, seconds spent) of a saved SFT of the same key, restored into the given objects; (0, 0.0)
     when there is none. A file of another key (the config changed) is not used."""
-    if not path.exists():
+    state = _read_progress(path)
+    if state is None:
         return 0, 0.0
-    state = torch.load(path, weights_only=False)
     if state.get("key") != key or not 0 < state.get("step", 0) < steps:
         log.warning("%s: saved SFT progress of another configuration (%s, step %s), not used; training from step 0",
                     path, state.get("key"), state.get("step"))
@@ -222,6 +249,7 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
     saved.unlink(missing_ok=True)
+    _legacy_progress_path(saved).unlink(missing_ok=True)
     log.info("warm start saved to %s: %s", out_dir, meta["test_accuracy"])
     return meta
 

@@ -139,7 +139,8 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
     """Resolve every arm x seed through the config loader (so a bad override fails before anything
     runs) and decide what each run needs. Returns (experiment name, experiment output dir, jobs)."""
     from moerl.config import ConfigError, load_config
-    from moerl.tracking import RunMismatchError, check_same_config
+    from moerl.identity import inputs_record
+    from moerl.tracking import RunMismatchError, check_same_config, check_same_inputs
 
     jobs, experiment, out_dir = [], None, None
     computes: dict[str, str] = {}  # what an arm computes (its identity without its name) -> arm
@@ -162,7 +163,14 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
             if action != "fresh":
                 try:
                     check_same_config(run_dir, cfg, action)
-                except RunMismatchError as err:
+                    # the content of its data files and base config, as far as they exist yet
+                    ws_dir = None
+                    if cfg.warm_start.enabled:
+                        from moerl.trainer.warm_start import warm_start_dir
+
+                        ws_dir = warm_start_dir(cfg)
+                    check_same_inputs(run_dir, inputs_record(cfg, ws_dir), action)
+                except (RunMismatchError, FileNotFoundError) as err:
                     raise SystemExit(str(err)) from None
             warm = None
             if cfg.warm_start.enabled and action != "skip":

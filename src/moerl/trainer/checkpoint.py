@@ -96,13 +96,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
-                    keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None) -> Path:
+                    keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None,
+                    inputs: dict | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to ``keep``.
     ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
     trainer writes the LoRA there as PEFT / vLLM adapters). ``config_hash`` goes into the manifest:
     a resume with another config is refused even when run.json and config.yaml are gone; ``base_hash`` (the
     content hash of the base weights, ``moerl.trainer.warm_start.weights_hash``) too: a resume on another
-    base is refused."""
+    base is refused; ``inputs`` (moerl.identity.inputs_record: the sha256 of each data file and of the
+    base model's config.json) too: a resume on changed inputs is refused."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     remove_incomplete(run_dir)
@@ -124,7 +126,8 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
         current = tmp / "state.json"
         current.write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
         current = tmp / MANIFEST  # last: it vouches for every file above
-        current.write_text(json.dumps({"config_hash": config_hash, "base_hash": base_hash, "checksum": "xxh3_64",
+        current.write_text(json.dumps({"config_hash": config_hash, "base_hash": base_hash, "inputs": inputs or {},
+                                       "checksum": "xxh3_64",
                                        "files": _digests(tmp)}, indent=1) + "\n")
     except Exception as err:  # noqa: BLE001 - disk full surfaces as OSError, SafetensorError or RuntimeError
         reason = _first_line(err) + _no_space_hint(err, root)
@@ -294,6 +297,24 @@ def base_hash_of(path: Path) -> str | None:
         return json.loads((Path(path) / MANIFEST).read_text()).get("base_hash")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def inputs_of(path: Path) -> dict | None:
+    """The input hashes a checkpoint's manifest records (None: none recorded)."""
+    try:
+        recorded = json.loads((Path(path) / MANIFEST).read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def check_same_inputs(path: Path, run_dir: Path, inputs: dict) -> None:
+    """Refuse to continue checkpoint ``path`` when a file it was trained from (a data file, the base
+    model's config.json) has other content now; its manifest's record, else the run's run.json."""
+    from moerl.tracking import check_same_inputs as check
+
+    recorded = inputs_of(path)
+    check(run_dir, inputs, "resume", recorded=recorded, where=path if recorded is not None else run_dir)
 
 
 def check_same_base(path: Path, base_hash: str, where: str) -> None:

@@ -28,6 +28,7 @@ from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict
 from moerl.data import load_splits
 from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
+from moerl.identity import inputs_record
 from moerl.models.experts import implementation
 from moerl.models.presets import build_model
 from moerl.trainer.state_files import StateFileError, load_state, save_state, unpickle_legacy_state
@@ -38,9 +39,15 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def warm_start_key(cfg: ExperimentConfig) -> str:
+    """``<preset>-<hash of the model, data and warm-start config>``; with data files, their content too
+    (a training file edited in place trains another warm start)."""
     ws = to_dict(cfg.warm_start)
     ws.pop("cache_dir")
-    blob = json.dumps({"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": ws}, sort_keys=True)
+    keyed = {"model": to_dict(cfg.model), "data": to_dict(cfg.data), "warm_start": ws}
+    data_content = {k: v for k, v in inputs_record(cfg).items() if k.startswith("data.")}
+    if data_content:  # only with data files: the keys of warm starts of generated data stay as they were
+        keyed["data_content"] = data_content
+    blob = json.dumps(keyed, sort_keys=True)
     return f"{cfg.model.preset}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

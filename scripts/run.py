@@ -57,7 +57,9 @@ def run(args) -> dict | None:
     cfg = load_config(args.config, overrides)
     run_dir = cfg.run_dir
     if args.print_config:
-        print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg)}", end="")
+        # the model keys the family never reads are left out (they are refused when set)
+        print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg, only_read=True)}",
+              end="")
         return None
     from moerl.runlock import lock_run
     from moerl.trainer.grpo import check_splits

@@ -920,11 +920,12 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
         (t, ("paired_replay_every",), not cfg.rollout.capture_routing,
          "rollout.capture_routing=false records no routes to pair"),
         (lr, ("expert_mode",), not lr.target_experts, "lora.target_experts=false puts no LoRA on the experts"),
-        (m, ("n_shared_experts", "n_group", "topk_group"), m.preset != "deepseek_v3",
-         f"model.preset={m.preset} (only deepseek_v3 reads it)"),
-        (m, ("num_kv_heads",), m.preset == "deepseek_v3",
-         "model.preset=deepseek_v3 projects keys and values for every head (MLA)"),
     ]
+    from moerl.models.family_keys import unread_keys, why_unread
+
+    # the model keys the chosen family never reads (the table next to the presets)
+    rules += [(m, (key,), True, why_unread(m.preset, key))
+              for key in unread_keys(m.preset, [f.name for f in dataclasses.fields(m)])]
     section_of = {id(getattr(cfg, f.name)): f.name for f in dataclasses.fields(cfg)
                   if dataclasses.is_dataclass(getattr(cfg, f.name))}
     out = []
@@ -936,8 +937,16 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
     return out
 
 
-def config_yaml(cfg: ExperimentConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def config_yaml(cfg: ExperimentConfig, only_read: bool = False) -> str:
+    """The resolved config as YAML (every key: what a run directory records); ``only_read`` leaves out the
+    ``model.*`` keys the chosen family never reads (what ``--print-config`` shows)."""
+    data = to_dict(cfg)
+    if only_read:
+        from moerl.models.family_keys import unread_keys
+
+        for key in unread_keys(cfg.model.preset, list(data["model"])):
+            data["model"].pop(key)
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:

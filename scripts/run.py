@@ -23,6 +23,7 @@ import logging
 import shlex
 import sys
 import time
+from pathlib import Path
 
 
 def parse_args(argv: list[str] | None):
@@ -65,6 +66,12 @@ def run(args) -> dict | None:
     from moerl.trainer.grpo import check_splits
 
     check_splits(cfg)  # bad data fails before anything is written (the lock file included)
+    if args.resume and not run_dir.is_dir():  # refused before the lock: no empty folders, no lock file left
+        out = cfg.tracking.output_dir
+        where = "" if Path(out).is_absolute() else \
+            f"; tracking.output_dir={out} is relative, taken from the working directory {Path.cwd()}"
+        raise UsageError(f"{run_dir}: no such run to resume (its name carries the overrides that change it{where}); "
+                         f"start it without --resume")
     # One writer per run directory, taken before the run's state is looked at: a second run or a
     # resume of a live run is refused, naming the process that holds it.
     lock_run(run_dir)
@@ -114,12 +121,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
         return run(args)
+    from moerl.runlock import RunLockedError
+
     try:
         return run(args)
     except KeyboardInterrupt:
         sys.exit("interrupted; continue with --resume")
+    except RunLockedError as err:  # the run is live in another process: busy, not failed
+        raise Busy(one_line_error(err)) from None
     except Exception as err:  # noqa: BLE001 - one actionable line for the user; --debug for the traceback
         sys.exit(one_line_error(err))
+
+
+class Busy(SystemExit):
+    """The run is refused because another live process holds it; the script exits with BUSY_EXIT_CODE."""
 
 
 def one_line_error(err: BaseException) -> str:
@@ -133,4 +148,10 @@ def one_line_error(err: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Busy as busy:
+        print(busy.code, file=sys.stderr)
+        from moerl.runlock import BUSY_EXIT_CODE
+
+        sys.exit(BUSY_EXIT_CODE)

@@ -583,11 +583,14 @@ def to_dict(cfg: Any) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader keeps the last of two equal keys silently; a config must not."""
+    """PyYAML's safe loader keeps the last of two equal keys silently; a config must not. YAML merge keys
+    (``<<: *defaults``) work as in the safe loader: a key of the mapping itself overrides a merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged in by the safe loader (flatten_mapping), not a key of its own
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool, type(None))):
                 continue  # the base loader refuses unhashable keys with its own message
@@ -736,6 +739,7 @@ _SECTIONS = "|".join(k for k, hint in get_type_hints(ExperimentConfig).items() i
 def _blamed_layer(message: str, layers: list[tuple[str, dict]], main: str) -> str:
     """The last layer (file or override) that sets a key a cross-field check names, else ``main``."""
     keys = re.findall(rf"\b(?:{_SECTIONS})\.[a-z_0-9]+", message)
+    keys += re.findall(r"^(experiment|arm)=", message)  # the run's directory names (name_checks)
     sources = [src for src, data in layers if any(_has_key(data, k) for k in keys)]
     return sources[-1] if sources else main
 
@@ -856,6 +860,9 @@ def validate(cfg: ExperimentConfig) -> None:
     checks += [(ok, message) for ok, message in name_checks(cfg)]
     checks += [(ok, message) for ok, message in warm_start_checks(cfg.warm_start)]
     checks += [(ok, message) for ok, message in ignored_key_checks(cfg)]
+    from moerl.sizes import size_checks
+
+    checks += size_checks(cfg)  # what this machine cannot hold, before anything is written
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

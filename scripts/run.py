@@ -85,9 +85,11 @@ def run(args) -> dict | None:
                   flush=True)
             args.fresh, args.resume = False, not finished
     if (run_dir / "summary.json").exists() and not args.fresh:
-        from moerl.tracking import check_same_config
+        from moerl.identity import inputs_record
+        from moerl.tracking import check_same_config, check_same_inputs
 
         check_same_config(run_dir, cfg, "skip")
+        check_same_inputs(run_dir, inputs_record(cfg), "skip")  # its data files, by content
         print(f"{run_dir} is finished (summary.json): nothing to do (--fresh moves it aside and starts over)")
         return json.loads((run_dir / "summary.json").read_text())
     if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:

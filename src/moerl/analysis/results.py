@@ -338,9 +338,10 @@ def load_token_samples(root: str | Path, experiment: str | None = None, arms: li
     """Per-token samples (rollout vs trainer logprob, IS weight, flags) saved every N steps."""
     frames = []
     arms = None if arms is None else [_current(a, experiment) for a in arms]
-    for key, run in find_runs(root).items():
-        if (experiment is not None and key.experiment != experiment) or (arms is not None and key.arm not in arms):
-            continue
+    runs = {k: v for k, v in find_runs(root).items()
+            if (experiment is None or k.experiment == experiment) and (arms is None or k.arm in arms)}
+    check_same_inputs(runs)
+    for key, run in runs.items():
         for path in sorted((run / "samples").glob("step_*.npz")):
             with np.load(path) as data:
                 df = pd.DataFrame({k: data[k] for k in data.files})

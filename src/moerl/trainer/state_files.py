@@ -122,7 +122,8 @@ def _tuples(value):
 
 # numpy's own names for rebuilding a plain array (np.random.get_state()'s key is a uint32 array): nothing
 # else numpy could be asked to construct is allowed.
-_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType,
+                        (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]  # numpy 1.x's name
 
 
 def unpickle_legacy_state(path: Path):

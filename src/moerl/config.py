@@ -65,9 +65,16 @@ def num(default, low=None, high=None, *, open_low=False, open_high=False, why: s
 
 @dataclass
 class ModelConfig:
-    """A tiny MoE built from a transformers config with random init (no download)."""
+    """A tiny MoE built from a transformers config with random init (no download), or, with ``path``, a
+    checkpoint directory on disk (moerl.models.pretrained)."""
 
     preset: Literal["qwen3_moe", "deepseek_v3", "mixtral"] = "qwen3_moe"
+    # A local Hugging Face checkpoint directory (config.json, safetensors weights, tokenizer, chat template) of
+    # a family in moerl.models.families. When set, the checkpoint defines the model: the size keys below and
+    # ``preset`` are not used, and there is no warm start. Nothing is downloaded: a hub id is refused.
+    path: str | None = None
+    # Run the checkpoint's own Python (its auto_map modeling or tokenizer code). Off: transformers' classes only.
+    trust_remote_code: bool = False
     hidden_size: int = num(128, 1)
     num_layers: int = num(4, 1)
     num_experts: int = num(8, 1)
@@ -94,7 +101,7 @@ class DataConfig:
 
     # arith: a+b*c= -> \boxed{n}; arith_steps: a+b*c-d= worked step by step (answers of 25-33 tokens).
     task: Literal["arith", "arith_steps", "gsm8k", "math"] = "arith"
-    # Local parquet/jsonl file(s) for real datasets; a hub id when online (e.g. "openai/gsm8k").
+    # Local parquet/jsonl file(s) for real datasets (raw columns or verl's parquet); a hub id when online.
     train_path: str | None = None
     test_path: str | None = None
     hub_id: str | None = None
@@ -104,6 +111,13 @@ class DataConfig:
     max_a: int = num(99, 0)
     max_bc: int = num(9, 0)
     seed: int = num(1234, 0)
+    # With a checkpoint (model.path): render each prompt with its tokenizer's chat template (false: the
+    # instruction and question as plain text), asking for the answer as ``instruction`` says (null: verl's
+    # instruction for the task: GSM8K "####", MATH \boxed{}). Prompts longer than max_prompt_tokens are dropped
+    # (counted and logged), as verl's filter_overlong_prompts does.
+    chat_template: bool = True
+    instruction: str | None = None
+    max_prompt_tokens: int = num(1024, 1)
 
 
 @dataclass
@@ -247,6 +261,9 @@ class TrainerConfig:
     micro_batch_size: int = num(64, 1)
     grad_clip: float = num(1.0, 0, open_low=True)
     activation_checkpointing: bool = False
+    # The trainer's weights and compute: fp32 (the lab's reference) or bf16 (a large checkpoint on one GPU;
+    # the LoRA weights and the optimizer stay fp32).
+    dtype: Literal["fp32", "bf16"] = "fp32"
     eval_every: int = num(10, 0, why="0 evaluates only at the start and the end")
     eval_size: int = num(512, 1)
     # Who measures held-out accuracy: ``rollout`` (the arm's own engine, in the arm's precision) or
@@ -288,6 +305,9 @@ class ExperimentConfig:
     # (os.sched_getaffinity), so two runs started side by side on a shared machine do not each claim
     # every core.
     threads: int | None = num(None, 1, why="null uses $OMP_NUM_THREADS, else the cores this process may use")
+    # Where the trainer and the embedded engine run: cpu, cuda, or auto (cuda when a GPU is visible). How a
+    # run is executed (the machine is recorded in machine.json), not part of its identity.
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
     # Command-line overrides that change the run (set by load_config): part of the run's name and
     # directory, so an override never lands in, skips or resumes the run of the plain arm.
     variant: str = ""
@@ -389,14 +409,23 @@ def resolved_threads(cfg: ExperimentConfig) -> int:
 
 # Keys that change how a run is executed or recorded, never what it computes: left out of the
 # run's identity (a resumed run may use other threads or another wandb mode).
-OPERATIONAL_KEYS = ("threads", "rollout.threads", "rollout.decode", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+OPERATIONAL_KEYS = ("threads", "device", "rollout.threads", "rollout.decode", "tracking", "variant", "trainer.checkpoint_every", "warm_start.cache_dir")
+
+
+# Keys that enter a run's identity only when set to something else than this value: the keys of a
+# checkpoint path, its data and its trainer dtype, added after runs were recorded, leave every earlier
+# run's hash (and so its resume and its registration) unchanged.
+OMITTED_AT_DEFAULT = {"model.path": None, "model.trust_remote_code": False, "trainer.dtype": "fp32",
+                      "data.chat_template": True, "data.instruction": None, "data.max_prompt_tokens": 1024}
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict:
-    """The resolved config without OPERATIONAL_KEYS, flattened to ``{"a.b": value}``."""
+    """The resolved config without OPERATIONAL_KEYS (and OMITTED_AT_DEFAULT keys at that value), flattened
+    to ``{"a.b": value}``."""
     flat = flatten(to_dict(cfg))
     return {k: v for k, v in flat.items()
-            if not any(k == op or k.startswith(op + ".") for op in OPERATIONAL_KEYS)}
+            if not any(k == op or k.startswith(op + ".") for op in OPERATIONAL_KEYS)
+            and not (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])}
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
@@ -856,6 +885,14 @@ def validate(cfg: ExperimentConfig) -> None:
          "refit would overwrite it with unquantised weights)"),
         (not (lo.variant == "bypass" and cfg.replay.mode == "R2"),
          "replay.mode=R2 records routing in the old-logprob pass, which loss.variant=bypass skips"),
+        (m.path is None or not cfg.warm_start.enabled,
+         f"model.path={m.path} is a trained checkpoint: set warm_start.enabled=false (the warm start trains a "
+         f"tiny preset from random init)"),
+        (m.path is None or cfg.lora.expert_mode == "per_expert" or not cfg.lora.target_experts,
+         f"lora.expert_mode={cfg.lora.expert_mode} is written for the tiny presets' fused experts; a checkpoint "
+         f"(model.path) takes per_expert (PEFT target_parameters)"),
+        (t.dtype == "fp32" or m.path is not None or cfg.device != "cpu",
+         "trainer.dtype=bf16 is for a checkpoint on a GPU; the CPU lab's trainer is the fp32 reference"),
     ]
     checks += [(ok, message) for ok, message in name_checks(cfg)]
     checks += [(ok, message) for ok, message in warm_start_checks(cfg.warm_start)]
@@ -898,6 +935,12 @@ def _is_default(cfg: Any, name: str) -> bool:
     return getattr(cfg, name) == default
 
 
+# The ModelConfig keys a checkpoint's own config.json replaces (model.path).
+CHECKPOINT_DEFINES = ("preset", "hidden_size", "num_layers", "num_experts", "top_k", "moe_intermediate_size",
+                      "num_heads", "num_kv_heads", "head_dim", "first_k_dense", "n_shared_experts", "n_group",
+                      "topk_group", "init_std", "router_aux_loss_coef", "overrides")
+
+
 def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
     """A key set away from its default where the chosen task, engine or mode never reads it is an error:
     a run would ignore it silently, yet carry it in its name and identity. Two switches may leave their
@@ -927,11 +970,15 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
         (t, ("paired_replay_every",), not cfg.rollout.capture_routing,
          "rollout.capture_routing=false records no routes to pair"),
         (lr, ("expert_mode",), not lr.target_experts, "lora.target_experts=false puts no LoRA on the experts"),
+        (m, CHECKPOINT_DEFINES, m.path is not None, f"model.path={m.path} defines the model (its config.json)"),
+        (m, ("trust_remote_code",), m.path is None, "only a checkpoint (model.path) carries code of its own"),
+        (d, ("chat_template", "instruction", "max_prompt_tokens"), m.path is None,
+         "only a checkpoint's tokenizer (model.path) has a chat template; the tiny presets' prompts are fixed"),
     ]
     from moerl.models.family_keys import unread_keys, why_unread
 
     # the model keys the chosen family never reads (the table next to the presets)
-    rules += [(m, (key,), True, why_unread(m.preset, key))
+    rules += [(m, (key,), m.path is None, why_unread(m.preset, key))
               for key in unread_keys(m.preset, [f.name for f in dataclasses.fields(m)])]
     section_of = {id(getattr(cfg, f.name)): f.name for f in dataclasses.fields(cfg)
                   if dataclasses.is_dataclass(getattr(cfg, f.name))}

@@ -523,3 +523,75 @@ def plan(cfg: dict, layout: Layout) -> Plan:
                 trace_bits_per_token=bits, rollout_kv_tokens=kv_tokens,
                 trainer_resident_during_rollout_gib=resident, host_offload_gib_per_node=host,
                 problems=problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# One device: a checkpoint's trainer and embedded rollout engine side by side (experiment 08)
+# ---------------------------------------------------------------------------------------------
+
+# CUDA context, cuBLAS workspaces and the caching allocator's fragmentation: a stated allowance, not a measurement.
+DEVICE_ALLOWANCE_GIB = 2.0
+# Bytes per trained LoRA element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
+LORA_BYTES_PER_PARAM = 16
+
+
+@dataclass
+class ModelShape:
+    """What the one-device plan needs of a model, counted exactly on its class (moerl.models.pretrained)."""
+
+    params: int
+    lora_params: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    kv_values_per_token: int  # key and value elements one token adds to the engine's cache, all layers
+
+
+@dataclass
+class OneDevicePlan:
+    device: str
+    device_gib: float
+    lines: list[MemoryLine]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(line.gib for line in self.lines)
+
+    @property
+    def margin_gib(self) -> float:
+        return self.device_gib - self.total_gib
+
+
+def plan_one_device(shape: ModelShape, *, trainer_dtype: str, rollout_sequences: int, sequence_tokens: int,
+                    micro_batch: int, activation_checkpointing: bool, device_gib: float,
+                    device_name: str) -> OneDevicePlan:
+    """Memory of one GRPO step on one device: the trainer's weights, the LoRA with its gradients and AdamW
+    state, the engine's own bf16 copy (quantised rollouts are stored rounded, in bf16) and its KV cache for
+    every sequence of a step, and the scoring pass's largest tensors (fp32 logits, their log-softmax and the
+    entropy's exp over the vocabulary; the decoder activations, at layer boundaries under checkpointing)."""
+    b = DTYPE_BYTES[trainer_dtype]
+    act_tokens = micro_batch * sequence_tokens
+    layer_acts = (1 if activation_checkpointing else 16) * shape.num_layers * act_tokens * shape.hidden_size * b
+    lines = [
+        MemoryLine("trainer weights", shape.params * b / GIB, f"{shape.params / 1e9:.2f}B params in {trainer_dtype}"),
+        MemoryLine("LoRA + grads + AdamW", shape.lora_params * LORA_BYTES_PER_PARAM / GIB,
+                   f"{shape.lora_params / 1e6:.1f}M params x {LORA_BYTES_PER_PARAM} B"),
+        MemoryLine("engine weights (bf16 copy)", shape.params * 2 / GIB, "the rollout engine's own copy"),
+        MemoryLine("engine KV cache", rollout_sequences * sequence_tokens * shape.kv_values_per_token * 2 / GIB,
+                   f"{rollout_sequences} sequences x {sequence_tokens} tokens"),
+        MemoryLine("scoring logits (fp32 x 3)", 3 * act_tokens * shape.vocab_size * 4 / GIB,
+                   f"micro-batch {micro_batch} x {sequence_tokens} tokens x vocab {shape.vocab_size}"),
+        MemoryLine("decoder activations", layer_acts / GIB,
+                   "layer boundaries (checkpointing)" if activation_checkpointing else "about 16 per layer, no checkpointing"),
+        MemoryLine("allowance", DEVICE_ALLOWANCE_GIB, "CUDA context, workspaces, fragmentation (stated, not measured)"),
+    ]
+    return OneDevicePlan(device_name, device_gib, lines)
+
+
+def one_device_report(plan: OneDevicePlan) -> str:
+    total, margin = plan.total_gib, plan.margin_gib
+    width = max(len(line.name) for line in plan.lines)
+    rows = [f"  {line.name:<{width}}  {line.gib:8.2f} GiB  {line.note}" for line in plan.lines]
+    verdict = (f"fits: {total:.1f} of {plan.device_gib:.1f} GiB, {margin:.1f} GiB to spare" if margin >= 0 else
+               f"does NOT fit: {total:.1f} GiB needed, {plan.device_gib:.1f} GiB on the device, {-margin:.1f} GiB short")
+    return "\n".join([f"memory plan on {plan.device}:", *rows, f"  {verdict}"])

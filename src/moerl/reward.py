@@ -281,6 +281,16 @@ def _scored(completion: str) -> bool:
     return bool(completion) and "\\boxed" in completion
 
 
+def boxed_from_hashes(completion: str) -> str:
+    """A GSM8K-style completion (``... #### 42``) with its final answer boxed (``\\boxed{42}``), so math-verify
+    reads it as it reads the boxed answers; a completion that boxes its answer itself is left as it is.
+    verl's GSM8K scorer reads the text after the last ``####`` the same way (verl/utils/reward_score/gsm8k.py)."""
+    if "\\boxed" in completion or "####" not in completion:
+        return completion
+    tail = completion.rsplit("####", 1)[1].strip().split("\n")[0].strip().replace(",", "").rstrip(".")
+    return f"{completion}\n\\boxed{{{tail}}}" if tail else completion
+
+
 def math_reward(completion: str, answer: str) -> float:
     """1.0 if the completion's final answer equals ``answer`` (math-verify semantics), else 0.0."""
     return batch_rewards([completion], [answer])[0]
@@ -291,10 +301,13 @@ def math_reward_uncached(completion: str, answer: str) -> float:
     return verifier(completion[-MAX_COMPLETION_CHARS:], answer) if _scored(completion) else 0.0
 
 
-def batch_rewards(completions: list[str], answers: list[str]) -> list[float]:
-    """``math_reward`` of each pair; the pairs not seen before go to the worker together."""
+def batch_rewards(completions: list[str], answers: list[str], hashes: bool = False) -> list[float]:
+    """``math_reward`` of each pair; the pairs not seen before go to the worker together. ``hashes``: a
+    final answer after ``####`` counts too (GSM8K's format, asked for by verl's GSM8K instruction)."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+    if hashes:
+        completions = [boxed_from_hashes(c) for c in completions]
     keys = [(c[-MAX_COMPLETION_CHARS:], a) if _scored(c) else None for c, a in zip(completions, answers)]
     unseen = list(dict.fromkeys(k for k in keys if k is not None and k not in _cache))
     _cache.update(zip(unseen, verifier.many(unseen)))

@@ -39,10 +39,11 @@ def size_checks(cfg, memory: int | None = None) -> list[tuple[bool, str]]:
     if not memory:
         return []
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
-    positions = int(m.overrides.get("max_position_embeddings", 256))
+    positions = r.max_new_tokens + 1  # a sequence holds at least one prompt token and its completion
     kv_heads = m.num_heads if m.preset == "deepseek_v3" else m.num_kv_heads
-    # a sequence's keys and values in every layer, at 2 bytes a value (bf16: the smallest a rollout keeps)
-    kv_per_position = m.num_layers * 2 * kv_heads * m.head_dim * 2
+    # a sequence's keys and values in every layer, at 2 bytes a value (bf16: the smallest a rollout keeps); a
+    # checkpoint (model.path) defines its own shapes, so its sequences count by their token ids only
+    kv_per_position = 0 if getattr(m, "path", None) else m.num_layers * 2 * kv_heads * m.head_dim * 2
     per_sequence = positions * (kv_per_position + 8)  # + its token ids
     sequences = r.prompts_per_step * r.group_size
     have = f"this machine's {memory / GIB:.1f} GiB of memory"
@@ -50,7 +51,7 @@ def size_checks(cfg, memory: int | None = None) -> list[tuple[bool, str]]:
         (sequences * per_sequence <= memory,
          f"rollout.prompts_per_step={r.prompts_per_step} x rollout.group_size={r.group_size} = {sequences} sequences "
          f"a step, generated together: at least {_gib(sequences * per_sequence)} (keys, values and token ids of "
-         f"{positions} positions each), more than {have}; lower rollout.prompts_per_step"),
+         f"at least {positions} positions each), more than {have}; lower rollout.prompts_per_step"),
         (t.eval_size * per_sequence <= memory,
          f"trainer.eval_size={t.eval_size}: at least {_gib(t.eval_size * per_sequence)} to evaluate, more than {have}"),
         (t.micro_batch_size * positions * VOCAB_BOUND * 4 * 2 <= memory,
@@ -60,8 +61,8 @@ def size_checks(cfg, memory: int | None = None) -> list[tuple[bool, str]]:
          f"data.train_size={cfg.data.train_size} + data.test_size={cfg.data.test_size} rows take at least "
          f"{_gib((cfg.data.train_size + cfg.data.test_size) * ROW_BYTES)}, more than {have}"),
     ]
-    if cfg.warm_start.enabled:
-        batch = cfg.warm_start.batch_size * positions * VOCAB_BOUND * 8
+    if cfg.warm_start.enabled and not getattr(m, "path", None):
+        batch = cfg.warm_start.batch_size * 2 * VOCAB_BOUND * 8  # a prompt token and an answer token at least
         checks.append((batch <= memory, f"warm_start.batch_size={cfg.warm_start.batch_size}: its logits and their "
                                         f"gradient take at least {_gib(batch)}, more than {have}"))
     return checks

@@ -21,7 +21,22 @@ class DataError(ValueError):
     """A dataset file that cannot give training or test rows; the message names file and line."""
 
 QUESTION_KEYS = ("question", "problem", "prompt", "query")
-ANSWER_KEYS = ("answer", "solution", "ground_truth", "final_answer")
+# reward_model: verl's parquet column {"style": "rule", "ground_truth": ...} (the gold answer only).
+ANSWER_KEYS = ("answer", "solution", "ground_truth", "final_answer", "reward_model")
+# The instructions verl's preprocessing appends to a question (examples/data_preprocess/gsm8k.py, math_dataset.py,
+# DAPO's): a prompt read from verl's ``prompt`` column is the question again once they are removed, so the
+# checkpoint's own instruction (moerl.data.prompts) is not asked twice.
+VERL_INSTRUCTIONS = ('Let\'s think step by step and output the final answer after "####".',
+                     "Let's think step by step and output the final answer within \\boxed{}.",
+                     'Please output the final answer within \\boxed{}.')
+
+
+def strip_instruction(question: str) -> str:
+    text = question.rstrip()
+    for instruction in VERL_INSTRUCTIONS:
+        if text.endswith(instruction):
+            return text[: -len(instruction)].rstrip()
+    return question
 
 
 def last_boxed(text: str) -> str | None:
@@ -98,7 +113,11 @@ def rows_from_records(records, task: str, source: str, row_label: str = "row") -
             problem = f"expected a JSON object, got {type(rec).__name__}"
         else:
             question, raw = _first(rec, QUESTION_KEYS), _first(rec, ANSWER_KEYS)
-            answer = None if raw is None else (extract(raw) or (raw.strip() if task == "math" else None))
+            question = None if question is None else strip_instruction(question)
+            # a bare gold number (verl's reward_model.ground_truth) is a GSM8K answer as it stands
+            bare = raw is not None and (task == "math" or bool(_NUMBER.match(raw.strip().replace(",", ""))))
+            answer = None if raw is None else (extract(raw) or (raw.strip().replace(",", "") if task == "gsm8k" and bare
+                                                                else raw.strip() if bare else None))
             problem = _problem(question, raw, answer, task)
         if problem is not None:
             skipped += 1

@@ -39,7 +39,11 @@ def export_adapter(policy: nn.Module, cfg, out_dir: str | Path, base_model: str 
     applied under ``cfg.lora``, ``cfg`` an ExperimentConfig); returns both paths."""
     out_dir = Path(out_dir)
     canonical = {k: v.detach().float().cpu() for k, v in canonical_adapter(policy).items()}
-    num_experts = cfg.model.num_experts
+    from moerl.models.routers import find_moe_layers
+
+    # the model's own family and expert count (a checkpoint's, not the tiny preset keys it leaves unused)
+    family = policy.config.model_type if cfg.model.path else cfg.model.preset
+    num_experts = find_moe_layers(policy)[0].num_experts if cfg.model.path else cfg.model.num_experts
     peft_model = policy
     if cfg.lora.expert_mode != "per_expert":
         # The adapter file holds no base weights: a per-expert PEFT copy of the architecture (random
@@ -56,7 +60,11 @@ def export_adapter(policy: nn.Module, cfg, out_dir: str | Path, base_model: str 
     peft_model.save_pretrained(str(peft_dir))
     if base_model:
         _set_base_model(peft_dir, base_model)
-    vllm_dir = save_hf_adapter(out_dir / "vllm", canonical, cfg.model.preset, num_experts, cfg.lora.rank,
+    from moerl.refit.adapter_format import EXPERT_LINEARS
+
+    if family not in EXPERT_LINEARS:  # Granite-MoE's hub weights are fused 3-D tensors: no per-expert names
+        return {"peft": peft_dir}
+    vllm_dir = save_hf_adapter(out_dir / "vllm", canonical, family, num_experts, cfg.lora.rank,
                                cfg.lora.alpha, base_model)
     return {"peft": peft_dir, "vllm": vllm_dir}
 

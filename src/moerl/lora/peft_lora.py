@@ -14,7 +14,9 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from moerl.config import LoraConfig
+from moerl.models.families import FAMILIES, attention_targets
 
+# The tiny presets' targets (their models always have these projections); a checkpoint's come from its model.
 ATTENTION_TARGETS = {
     "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -23,19 +25,24 @@ ATTENTION_TARGETS = {
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def peft_config(cfg: LoraConfig, preset: str) -> PeftLoraConfig:
+def peft_config(cfg: LoraConfig, preset: str, model: torch.nn.Module | None = None) -> PeftLoraConfig:
+    """PEFT's config for ``preset`` (a family's model_type); with ``model``, the attention projections it has."""
     if not (cfg.target_attention or cfg.target_experts):
         raise ValueError("lora: at least one of target_attention / target_experts must be true")
+    attention = attention_targets(model, preset) if model is not None and preset in FAMILIES \
+        else ATTENTION_TARGETS[preset]
+    experts = list(FAMILIES[preset].experts) if preset in FAMILIES else EXPERT_TARGETS
     return PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,  # ParamWrapper requires dropout 0
-        target_modules=ATTENTION_TARGETS[preset] if cfg.target_attention else [],
-        target_parameters=EXPERT_TARGETS if cfg.target_experts and cfg.expert_mode == "per_expert" else None,
+        target_modules=attention if cfg.target_attention else [],
+        target_parameters=experts if cfg.target_experts and cfg.expert_mode == "per_expert" else None,
         bias="none",
     )
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
-    """Wrap ``model`` with LoRA adapters; only adapter weights stay trainable."""
+    """Wrap ``model`` with LoRA adapters; only adapter weights stay trainable. ``preset``: the family's
+    model_type (a tiny preset's name, or a checkpoint's ``config.model_type``)."""
     torch.manual_seed(cfg.init_seed)
     if not cfg.target_attention and cfg.target_experts and cfg.expert_mode != "per_expert":
         # Nothing for PEFT to wrap (PEFT refuses an empty target list): freeze the base and let
@@ -45,7 +52,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, preset: str):
         model.requires_grad_(False)
         attach_expert_lora(model, cfg)
         return model
-    peft_model = get_peft_model(model, peft_config(cfg, preset))
+    peft_model = get_peft_model(model, peft_config(cfg, preset, model))
     if cfg.target_experts and cfg.expert_mode != "per_expert":
         from moerl.lora.expert_modes import attach_expert_lora
 

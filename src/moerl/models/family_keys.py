@@ -41,9 +41,11 @@ def why_unread(preset: str, key: str) -> str:
 
 
 def unread_keys(preset: str, all_keys) -> list[str]:
-    """The keys of ``all_keys`` that family ``preset`` does not read, in their order ([] for a family
-    without a row: nothing is known to be unread)."""
+    """The keys of ``all_keys`` that some family reads but family ``preset`` does not, in their order ([] for
+    a family without a row: nothing is known to be unread). Keys no row names (``model.path``,
+    ``model.trust_remote_code``: where the model comes from, not how a family builds it) are left to the
+    config's own rules."""
     if preset not in FAMILY_KEYS:
         return []
-    read = FAMILY_KEYS[preset]
-    return [k for k in all_keys if k not in read]
+    read, known = FAMILY_KEYS[preset], frozenset().union(*FAMILY_KEYS.values())
+    return [k for k in all_keys if k in known and k not in read]

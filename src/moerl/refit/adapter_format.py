@@ -129,6 +129,9 @@ EXPERT_LINEARS = {
     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
     "mixtral": ("w1", "w3", "w2"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
 }
 HF_PREFIX = "base_model.model."
 

@@ -194,6 +194,11 @@ def routing_session(model: nn.Module, input_shape: tuple[int, int], replay: Rout
                               first.num_experts, first.top_k)
         handles = []
         for layer in layers:
+            watch = getattr(layer.family, "watch_received", None)
+            if watch is not None:  # a family whose block hands its experts no top-k (Granite-MoE)
+                handles.append(watch(layer, lambda index, number=layer.layer_number: session.check(number, index)))
+                continue
+
             def received(module, args, kwargs, output, number=layer.layer_number):
                 index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
                 if index is None:

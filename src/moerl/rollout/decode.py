@@ -323,7 +323,7 @@ def logits_warpers(temperature: float, top_k: int, top_p: float) -> LogitsProces
 @torch.no_grad()
 def decode(model: nn.Module, dtype: torch.dtype, engine_context: Callable[[], AbstractContextManager],
            prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-           max_new_tokens: int, eos_token_id: int, pad_token_id: int, greedy: bool, temperature: float,
+           max_new_tokens: int, eos_token_id: int | list[int], pad_token_id: int, greedy: bool, temperature: float,
            top_k: int, top_p: float, record_routes: bool):
     """Sample up to ``max_new_tokens`` per row as ``generate`` does. Returns (sequences [N, T0 + steps],
     raw fp32 logits of every step [N, steps, V], the decode calls' routes per layer [N, fed, k] or None).
@@ -341,6 +341,7 @@ def decode(model: nn.Module, dtype: torch.dtype, engine_context: Callable[[], Ab
         logits = loop.prefill(prompt_ids, prompt_mask, positions)
     sequences, raw_logits = prompt_ids, []
     key_mask = prompt_mask.bool()
+    stops = torch.as_tensor(eos_token_id).reshape(-1)  # a chat model ends a turn with one of several ids
     unfinished = torch.ones(n, dtype=torch.long)
     position = positions[:, -1]
     while True:
@@ -352,7 +353,7 @@ def decode(model: nn.Module, dtype: torch.dtype, engine_context: Callable[[], Ab
             tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
         tokens = tokens * unfinished + pad_token_id * (1 - unfinished)
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-        done = (tokens == eos_token_id) | (sequences.shape[1] >= t0 + max_new_tokens)
+        done = torch.isin(tokens, stops.to(tokens.device)) | (sequences.shape[1] >= t0 + max_new_tokens)
         unfinished = unfinished & ~done
         if unfinished.max() == 0:
             break

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from moerl.config import RolloutConfig
-from moerl.data.prompts import render_prompt
-from moerl.data.tokenizer import BOS
+from moerl.data.prompts import PromptFormat, prompt_format
 from moerl.lora.peft_lora import expert_lora_materialised
 from moerl.replay.capture import record_generation
 from moerl.rollout.batch import RolloutBatch
@@ -45,8 +44,14 @@ class HFEngine:
     (the RolloutBatch contract). On a GPU with ``rollout.kernels=native`` its bf16 products are the GPU's own
     kernels (cuBLAS, FlashAttention, the grouped-GEMM experts)."""
 
-    def __init__(self, policy: nn.Module, tokenizer, cfg: RolloutConfig, task: str = "arith"):
-        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
+    def __init__(self, policy: nn.Module, tokenizer, cfg: RolloutConfig, task: str | PromptFormat = "arith"):
+        """``task``: the tiny presets' task name, or a checkpoint's PromptFormat (chat template, stop ids)."""
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.prompts = prompt_format(task)
+        self.task = self.prompts.task
+        self.stop_ids = self.prompts.stops(tokenizer)
+        # what generate and the decode loop are given: one id as an int, as the presets always ran
+        self.eos_arg = self.stop_ids[0] if len(self.stop_ids) == 1 else self.stop_ids
         self.dtype = compute_dtype(cfg.dtype)
         self.model = copy.deepcopy(policy).to(self.dtype).eval()
         self.device = next(self.model.parameters()).device
@@ -73,7 +78,7 @@ class HFEngine:
 
         seqs, step_logits, routes = decode(
             self.model, self.dtype, engine_context, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=greedy,
+            eos_token_id=self.eos_arg, pad_token_id=tok.pad_token_id, greedy=greedy,
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, record_routes=recorder is not None)
         if recorder is not None and routes is not None:
             recorder.extend(routes)
@@ -106,9 +111,7 @@ class HFEngine:
 
     # -- generation ---------------------------------------------------------------------------------
     def encode_prompts(self, questions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = [BOS + render_prompt(self.task, q) for q in questions]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return enc.input_ids, enc.attention_mask
+        return self.prompts.encode(self.tokenizer, questions)
 
     @torch.no_grad()
     def generate(self, questions: list[str], answers: list[str], group_size: int, *, greedy: bool = False,
@@ -132,14 +135,14 @@ class HFEngine:
                 with self.kernels, expert_lora_materialised(self.model):
                     out = self.model.generate(
                         input_ids=ids_in, attention_mask=mask_in, max_new_tokens=cfg.max_new_tokens,
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, output_logits=True,
+                        pad_token_id=tok.pad_token_id, eos_token_id=self.eos_arg, output_logits=True,
                         return_dict_in_generate=True, **sampling)
                 seqs, step_logits = out.sequences, torch.stack(out.logits, dim=1)
         seqs, step_logits = seqs.cpu(), step_logits.cpu()
         total = seqs.shape[1]
         new = seqs[:, t0:]
         # Response runs up to and including the first EOS; generate pads finished rows afterwards.
-        is_eos = new == tok.eos_token_id
+        is_eos = torch.isin(new, torch.tensor(self.stop_ids))
         after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
         response = ~after_eos
         response_mask = torch.cat([torch.zeros(n, t0, dtype=torch.bool), response], dim=1)

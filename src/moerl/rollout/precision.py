@@ -172,8 +172,8 @@ def format_and_scope(precision: str) -> tuple[str | None, str]:
 def in_scope(name: str, scope: str) -> bool:
     """Whether a (quantisable) weight belongs to ``scope``: the routed experts (``.experts.``: not the
     DeepSeek-V3 / Kimi-K2 shared experts, not a dense layer's MLP) or the attention projections."""
-    if scope == "experts":
-        return ".experts." in name
+    if scope == "experts":  # Granite-MoE keeps its routed experts as input_linear / output_linear
+        return ".experts." in name or ".input_linear." in name or ".output_linear." in name
     if scope == "attention":
         return ".self_attn." in name
     return True
@@ -186,7 +186,9 @@ def is_quantised_weight(name: str, param: torch.Tensor) -> bool:
     if "embed_tokens" in name or "lm_head" in name:
         return False
     parts = name.split(".")
-    return "gate" not in parts  # the router (mlp.gate.weight); experts' gate_up_proj / gate_proj stay in
+    # Routers stay in their own precision (vLLM keeps them unquantised): mlp.gate.weight, Granite-MoE's
+    # block_sparse_moe.router.layer.weight, Qwen2-MoE's shared_expert_gate; experts' gate_up_proj stay in.
+    return not {"gate", "router", "shared_expert_gate"} & set(parts)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from moerl.config import RolloutConfig
+from moerl.data.prompts import PromptFormat
 from moerl.replay.engine_output import trace_from_vllm
 from moerl.rollout.batch import RolloutBatch
 
@@ -201,14 +202,17 @@ class VLLMEngine:
     repo's tokenizer encodes and decodes on this side, exactly as for the HF engine."""
 
     def __init__(self, model_path: str, tokenizer, cfg: RolloutConfig, lora_cfg, preset: str, num_experts: int,
-                 top_k: int, moe_layers: Sequence[int], num_hidden_layers: int, task: str = "arith",
+                 top_k: int, moe_layers: Sequence[int], num_hidden_layers: int, task: "str | PromptFormat" = "arith",
                  tensor_parallel_size: int = 1, adapter_dir: str = "/dev/shm/moerl_lora", **llm_kwargs):
         try:
             import vllm
         except ImportError as err:
             raise ImportError(INSTALL_HINT) from err
+        from moerl.data.prompts import prompt_format
+
         self._vllm = vllm
-        self.cfg, self.tokenizer, self.task, self.lora_cfg, self.preset = cfg, tokenizer, task, lora_cfg, preset
+        self.prompts = prompt_format(task)
+        self.cfg, self.tokenizer, self.task, self.lora_cfg, self.preset = cfg, tokenizer, self.prompts.task, lora_cfg, preset
         self.num_experts, self.top_k = num_experts, top_k
         self.moe_layers, self.num_hidden_layers = tuple(moe_layers), num_hidden_layers
         self.adapter_root, self.model_path = Path(adapter_dir), model_path
@@ -245,6 +249,18 @@ class VLLMEngine:
                    moe_layer_numbers(policy), int(hf.num_hidden_layers), task, adapter_dir=str(work_dir / "adapters"),
                    **llm_kwargs)
 
+    @classmethod
+    def from_checkpoint(cls, policy: torch.nn.Module, tokenizer, cfg: RolloutConfig, lora_cfg, checkpoint: str,
+                        work_dir: str | Path, prompts, **llm_kwargs) -> "VLLMEngine":
+        """An engine over a checkpoint directory as it is on disk (model.path: vLLM reads its own files, in
+        ``cfg.dtype``); the adapter arrives by refit. ``policy``: the trainer's model, for its geometry."""
+        from moerl.models.routers import moe_layer_numbers
+
+        hf = policy.config
+        return cls(str(checkpoint), tokenizer, cfg, lora_cfg, hf.model_type, hf_num_experts(hf),
+                   int(hf.num_experts_per_tok), moe_layer_numbers(policy), int(hf.num_hidden_layers), prompts,
+                   adapter_dir=str(Path(work_dir) / "adapters"), **llm_kwargs)
+
     def load_adapter(self, canonical: dict[str, torch.Tensor]) -> None:
         """Write the adapter (PEFT per-expert names) to tmpfs, swap it in, reset the prefix cache."""
         from vllm.lora.request import LoRARequest
@@ -267,19 +283,16 @@ class VLLMEngine:
 
     def generate(self, questions, answers, group_size: int, *, greedy: bool = False,
                  seed: int | None = None) -> RolloutBatch:
-        from moerl.data.prompts import render_prompt
-        from moerl.data.tokenizer import BOS
-
-        prompts = [self.tokenizer(BOS + render_prompt(self.task, q), add_special_tokens=False).input_ids
-                   for q in questions]
+        prompts = self.prompts.token_ids(self.tokenizer, questions)
         return self.generate_ids(prompts, answers, group_size, greedy=greedy, seed=seed)
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], answers, group_size: int, *, greedy: bool = False,
                      seed: int | None = None) -> RolloutBatch:
         """Token-id prompts in, a RolloutBatch out; stops after EOS (kept in the response, as the HF engine)."""
-        eos = self.tokenizer.eos_token_id
+        stops = self.prompts.stops(self.tokenizer)  # a chat model's end-of-turn ids, else the tokenizer's EOS
+        eos = stops[0]
         params = self._vllm.SamplingParams(**sampling_kwargs(self.cfg, group_size, greedy, seed),
-                                           stop_token_ids=[eos])
+                                           stop_token_ids=stops)
         outs = self.llm.generate(build_requests(prompts), params, lora_request=self.lora_request, use_tqdm=False)
         return outputs_to_batch(outs, self.tokenizer.pad_token_id, eos, group_size,
                                 self.moe_layers if self.cfg.capture_routing else None, self.num_experts,

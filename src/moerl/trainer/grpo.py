@@ -49,7 +49,8 @@ from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import (AgreementAlarm, extreme_token_curve, mismatch_metrics, paired_replay_effect,
                                   routing_divergence, token_samples)
-from moerl.trainer.warm_start import evaluate_policy, load_warm_start, warm_start_dir, weights_hash
+from moerl.trainer.warm_start import (base_dir, evaluate_policy, load_base, model_family, warm_start_dir,
+                                     weights_hash)
 
 log = logging.getLogger(__name__)
 
@@ -139,17 +140,24 @@ class GRPOTrainer:
         warn_passive_openmp(threads)
         warn_busy_cores(threads)
         torch.manual_seed(cfg.seed)
-        base, self.tokenizer, self.warm_start_meta = load_warm_start(cfg, progress=progress)
+        base, self.tokenizer, self.warm_start_meta, self.prompts = load_base(cfg, progress=progress)
         self.base_hash = weights_hash(base)  # what the LoRA trains on, by content (run.json, every checkpoint)
-        # the content of every file the run reads (data files, the base's config.json): run.json, every checkpoint
-        self.inputs = inputs_record(cfg, warm_start_dir(cfg) if cfg.warm_start.enabled else None)
+        # the content of every file the run reads (data files, the base's config.json and tokenizer): run.json,
+        # every checkpoint; a checkpoint's weight shards enter by size (base_hash covers the weights by content)
+        self.inputs = inputs_record(cfg, base_dir(cfg), weights=not cfg.model.path)
         if resume:
-            check_same_base(saved, self.base_hash, str(warm_start_dir(cfg)) if cfg.warm_start.enabled
-                            else "the random init (warm_start.enabled=false)")
+            check_same_base(saved, self.base_hash, cfg.model.path or (
+                str(warm_start_dir(cfg)) if cfg.warm_start.enabled else "the random init (warm_start.enabled=false)"))
             check_same_inputs(saved, self.run_dir, self.inputs)
+        if cfg.model.path:  # rows whose rendered prompt is too long for the budget are dropped, as verl drops them
+            self.train_rows = fitting_prompts(self.train_rows, self.prompts, self.tokenizer,
+                                              cfg.data.max_prompt_tokens, "data.train_path")
+            self.test_rows = fitting_prompts(self.test_rows, self.prompts, self.tokenizer,
+                                             cfg.data.max_prompt_tokens, "data.test_path")
         self.test_rows = self.test_rows[: cfg.trainer.eval_size]
+        self.family = model_family(cfg, base)
 
-        self.policy = apply_lora(base, cfg.lora, cfg.model.preset)
+        self.policy = apply_lora(base, cfg.lora, self.family)
         if cfg.trainer.activation_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -162,10 +170,14 @@ class GRPOTrainer:
         elif cfg.rollout.engine == "vllm":  # vLLM over the base weights; the adapter arrives by refit
             from moerl.rollout.vllm import VLLMAdapterRefit, VLLMEngine
 
-            self.engine = VLLMEngine.from_policy(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
-                                                 cfg.model.preset, self.run_dir / "vllm_engine", cfg.data.task)
+            if cfg.model.path:  # vLLM reads the checkpoint's own files
+                self.engine = VLLMEngine.from_checkpoint(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
+                                                         cfg.model.path, self.run_dir / "vllm_engine", self.prompts)
+            else:
+                self.engine = VLLMEngine.from_policy(self.policy, self.tokenizer, cfg.rollout, cfg.lora,
+                                                     self.family, self.run_dir / "vllm_engine", cfg.data.task)
         else:
-            self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, cfg.data.task)
+            self.engine = HFEngine(self.policy, self.tokenizer, cfg.rollout, self.prompts)
         self.refitter = (VLLMAdapterRefit(self.policy, self.engine) if cfg.rollout.engine == "vllm" else
                          make_refitter(cfg.refit, self.policy, self.engine, cfg.rollout.dtype))
         if cfg.trainer.fake_quant != "none":
@@ -215,7 +227,7 @@ class GRPOTrainer:
         check_finite("rollout_logprobs", batch.rollout_logprobs, mask)
 
         # 2. Reward and group-normalised advantages.
-        batch.rewards = torch.tensor(batch_rewards(batch.texts, batch.answers))
+        batch.rewards = torch.tensor(batch_rewards(batch.texts, batch.answers, self.prompts.answers_after_hashes))
         advantages = group_advantages(batch.rewards, batch.group)[:, None].expand_as(mask).float()
 
         # 3. Old logprobs: the trainer's pre-update policy on the sampled tokens (skipped by the
@@ -400,7 +412,7 @@ class GRPOTrainer:
         if self.cfg.trainer.eval_precision == "fp32":
             rollout = dataclasses.replace(self.cfg.rollout, engine="hf", dtype="fp32", kernels="native",
                                           capture_routing=False)
-            engine = HFEngine(self.policy, self.tokenizer, rollout, self.cfg.data.task)
+            engine = HFEngine(self.policy, self.tokenizer, rollout, self.prompts)
         acc = evaluate_policy(engine, self.test_rows, seed=self.cfg.data.seed,
                               samples=self.cfg.trainer.eval_samples)
         return {f"eval/{k}": v for k, v in acc.items()}
@@ -424,7 +436,7 @@ class GRPOTrainer:
     def save(self) -> None:
         """Checkpoint for exact resume, with the LoRA also exported as stock PEFT and vLLM adapters
         (``checkpoints/step_N/adapter/{peft,vllm}``; their base model is the warm start)."""
-        base = str(warm_start_dir(self.cfg)) if self.cfg.warm_start.enabled else ""
+        base = self.cfg.model.path or (str(warm_start_dir(self.cfg)) if self.cfg.warm_start.enabled else "")
         save_checkpoint(self.run_dir, self.step_idx, self.trainable, self.optimizer,
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
@@ -533,9 +545,30 @@ def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
     if not test:
         raise DataError(f"data.task={cfg.data.task}: no test rows to evaluate on "
                         f"(set data.test_path{' or data.hub_id' if cfg.data.task != 'arith' else ''})")
+    if cfg.model.path:  # the checkpoint directory's files, before any weight is read (its own tokenizer later)
+        from moerl.models.pretrained import inspect_checkpoint
+
+        inspect_checkpoint(cfg.model.path)
+        return train, test
     check_overrides(cfg.model, build_tokenizer())
     check_rows(cfg, train, test[: cfg.trainer.eval_size], max_positions(cfg.model))
     return train, test
+
+
+def fitting_prompts(rows: list[dict], prompts, tokenizer, limit: int, key: str) -> list[dict]:
+    """The rows whose rendered prompt has at most ``limit`` tokens; the others are counted and logged. A
+    split left empty is a DataError naming the key."""
+    lengths = [len(ids) for ids in tokenizer(prompts.texts(tokenizer, [r["question"] for r in rows]),
+                                             add_special_tokens=prompts.checkpoint and not prompts.chat_template)
+               .input_ids]
+    kept = [r for r, n in zip(rows, lengths) if n <= limit]
+    if len(kept) < len(rows):
+        log.warning("%s: dropped %d of %d rows whose prompt is longer than data.max_prompt_tokens=%d tokens",
+                    key, len(rows) - len(kept), len(rows), limit)
+    if not kept:
+        raise DataError(f"{key}: every prompt is longer than data.max_prompt_tokens={limit} tokens (longest "
+                        f"{max(lengths)}); raise data.max_prompt_tokens")
+    return kept
 
 
 def _mixed_groups(batch: RolloutBatch) -> float:

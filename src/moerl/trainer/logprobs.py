@@ -21,18 +21,19 @@ def forward_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float =
     distributions. Logits are divided by the sampling temperature, as the engine's were. Positions must be passed explicitly: under left padding `generate` numbers
     tokens by cumsum(attention_mask) - 1, and the default arange would shift every prompt.
     """
-    ids = batch.input_ids
-    out = model(input_ids=ids[:, :-1], attention_mask=batch.attention_mask[:, :-1],
-                position_ids=batch.position_ids[:, :-1], use_cache=False)
+    device = next(model.parameters()).device  # a GPU trainer: the batch goes there, its results come back
+    ids = batch.input_ids.to(device)
+    out = model(input_ids=ids[:, :-1], attention_mask=batch.attention_mask[:, :-1].to(device),
+                position_ids=batch.position_ids[:, :-1].to(device), use_cache=False)
     logits = out.logits.float() / temperature
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     pad = logp.new_zeros(ids.shape[0], 1)
-    logp = torch.cat([pad, logp], dim=1)
+    logp = torch.cat([pad, logp], dim=1).cpu()  # differentiable: the loss is computed beside the batch
     if not with_entropy:
         return logp, None
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, torch.cat([pad, entropy], dim=1)
+    return logp, torch.cat([pad, entropy], dim=1).cpu()
 
 
 # The trainer's forward reads input_ids[:, :-1]: the last sampled token is never an input (no

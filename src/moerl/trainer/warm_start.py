@@ -275,7 +275,8 @@ def evaluate_policy(engine, rows: list[dict], seed: int, batch: int = 256, sampl
             chunk = rows[i: i + chunk_rows]
             rb = engine.generate([r["question"] for r in chunk], [r["answer"] for r in chunk], per_problem,
                                  greedy=greedy, seed=seed + i)
-            correct += sum(batch_rewards(rb.texts, rb.answers))
+            prompts = getattr(engine, "prompts", None)
+            correct += sum(batch_rewards(rb.texts, rb.answers, bool(prompts and prompts.answers_after_hashes)))
         out[name] = correct / max(len(rows) * per_problem, 1)
     return out
 
@@ -295,3 +296,52 @@ def load_warm_start(cfg: ExperimentConfig, train_if_missing: bool = True, progre
                                                  experts_implementation=implementation(cfg.model.experts_implementation))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     return model.float(), tokenizer, json.loads((path / "meta.json").read_text())
+
+
+def load_base(cfg: ExperimentConfig, progress: bool = True):
+    """(base model, tokenizer, meta, prompt format): the checkpoint at ``model.path`` on ``device`` in
+    ``trainer.dtype``, or the tiny preset's warm start (trained first if absent) on the CPU."""
+    from moerl.data.prompts import PromptFormat
+
+    if not cfg.model.path:
+        model, tokenizer, meta = load_warm_start(cfg, progress=progress)
+        return model, tokenizer, meta, PromptFormat(cfg.data.task)
+    from moerl.models.pretrained import (eos_token_ids, inspect_checkpoint, load_model, load_tokenizer,
+                                         resolve_device)
+
+    info = inspect_checkpoint(cfg.model.path)
+    tokenizer = load_tokenizer(info, cfg.model.trust_remote_code, need_chat_template=cfg.data.chat_template)
+    device = resolve_device(cfg.device)
+    from moerl.models.pretrained import CheckpointError, memory_plan
+    from moerl.planner import one_device_report
+
+    plan = memory_plan(cfg, info.config)  # before a weight is read
+    log.info("%s", one_device_report(plan))
+    if device.type == "cuda" and plan.margin_gib < 0:
+        raise CheckpointError(f"{info.path}: the memory plan needs {plan.total_gib:.1f} GiB, the GPU has "
+                              f"{plan.device_gib:.1f} GiB (scripts/plan_device.py shows each part); lower "
+                              f"rollout.prompts_per_step, trainer.micro_batch_size, lora.rank, or set trainer.dtype=bf16")
+    log.info("loading %s (%s, %d MoE layers) in %s on %s", info.path, info.model_type, len(info.moe_layers()),
+             cfg.trainer.dtype, device)
+    model = load_model(info, cfg.trainer.dtype, device, implementation(cfg.model.experts_implementation))
+    prompts = PromptFormat(cfg.data.task, checkpoint=True, chat_template=cfg.data.chat_template,
+                           instruction=cfg.data.instruction, stop_ids=tuple(eos_token_ids(info, tokenizer)))
+    meta = {"checkpoint": str(info.path), "model_type": info.model_type, "fingerprint": info.fingerprint(),
+            "test_accuracy": None}
+    return model, tokenizer, meta, prompts
+
+
+def base_dir(cfg: ExperimentConfig) -> Path | None:
+    """The directory the base model is read from: ``model.path``, else the warm start's cache entry; None
+    for a random init (``warm_start.enabled=false``)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    return warm_start_dir(cfg) if cfg.warm_start.enabled else None
+
+
+def model_family(cfg: ExperimentConfig, model: torch.nn.Module | None = None) -> str:
+    """The family (model_type) of the run's model: the checkpoint's, or the tiny preset's."""
+    if cfg.model.path:
+        return model.config.model_type if model is not None else json.loads(
+            (Path(cfg.model.path) / "config.json").read_text())["model_type"]
+    return cfg.model.preset

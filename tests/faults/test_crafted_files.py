@@ -153,3 +153,35 @@ def test_a_crafted_distributed_checkpoint_is_refused_and_runs_nothing(tmp_path):
     with pytest.raises(RunReadError, match="crafted.pt: not a torch.save checkpoint of tensors"):
         read_checkpoint(tmp_path / "crafted.pt")
     assert not marker.exists()
+
+
+def test_a_megatron_core_015_checkpoint_metadata_reads_through_stand_ins(tmp_path, monkeypatch):
+    """megatron-core 0.15 pickled its own MCoreMetadata class into ``.metadata``: it is read as an empty
+    stand-in (megatron-core itself keeps the class empty for this), without megatron installed."""
+    import sys
+    import types
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from moerl.verl_ext.checkpoint_check import read_checkpoint
+
+    weights = {"decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(weights, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    name = "megatron.core.dist_checkpointing.strategies.torch"
+    fake = types.ModuleType(name)
+
+    class MCoreMetadata(Metadata):
+        pass
+
+    MCoreMetadata.__module__, MCoreMetadata.__qualname__ = name, "MCoreMetadata"
+    fake.MCoreMetadata = MCoreMetadata
+    monkeypatch.setitem(sys.modules, name, fake)
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)  # this test's own file
+    metadata.__class__ = MCoreMetadata
+    metadata.mcore_data = {"decoder": {"nd_reformulated_orig_global_shape": (2, 3)}}
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    monkeypatch.delitem(sys.modules, name)  # no megatron when it is read
+    tensors = read_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(tensors[next(iter(weights))], next(iter(weights.values())))

@@ -56,6 +56,27 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(_flatten(state))
 
 
+_MCORE_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+def _stand_ins():
+    """Empty stand-ins for the classes megatron-core 0.15 pickled into ``.metadata`` (megatron-core itself
+    keeps them as empty classes for loading such checkpoints): the unpickler fills their attributes, and
+    no megatron code is imported or run."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    class MCoreMetadata(Metadata):
+        pass
+
+    class MCoreSavePlan:
+        pass
+
+    return MCoreMetadata, MCoreSavePlan
+
+
+_MCoreMetadata, _MCoreSavePlan = _stand_ins()
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata`` file constructing torch's checkpoint-metadata dataclasses and enums,
     ``torch.Size`` and torch's dtype / layout / memory-format constants, and nothing else (the
@@ -73,6 +94,10 @@ class _MetadataUnpickler(pickle.Unpickler):
                    for n in names}
         if (module, name) in allowed:
             return getattr(sys.modules[module], name)
+        if (module, name) == (_MCORE_TORCH_STRATEGY, "MCoreMetadata"):  # megatron-core 0.15's metadata class
+            return _MCoreMetadata
+        if (module, name) == (_MCORE_TORCH_STRATEGY, "MCoreSavePlan"):
+            return _MCoreSavePlan
         if module == "torch" and name == "Size":
             return torch.Size
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
@@ -91,13 +116,14 @@ def _read_dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
     metadata goes through ``_MetadataUnpickler`` and only the tensor entries are requested (their shards
     are read with ``weights_only=True``)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata as StorageMetadataType
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
     class RestrictedMetadataReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(Path(self.path) / ".metadata", "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
-            if type(metadata).__name__ != "Metadata":
+            if not isinstance(metadata, StorageMetadataType):
                 raise pickle.UnpicklingError(f"expected a Metadata object, got {type(metadata).__name__}")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()

@@ -43,7 +43,12 @@ def runs_on(experiment: Path) -> tuple[str, str]:
     else:
         launcher = "-"
     cluster = (experiment / "experiment.yaml").exists() or (experiment / "bringup").exists()
-    return ("GPU cluster (verl)" if cluster else "CPU"), launcher
+    if cluster:
+        return "GPU cluster (verl)", launcher
+    # an embedded-path experiment on a checkpoint (model.path): one GPU, or a CPU for small ones
+    base = experiment / "base.yaml"
+    checkpoint = base.exists() and any(line.strip().startswith("path:") for line in base.read_text().splitlines())
+    return ("1 GPU or CPU (a checkpoint on disk)" if checkpoint else "CPU"), launcher
 
 
 def loss_label(cfg) -> str:
@@ -69,7 +74,7 @@ def arm_lines(experiment: Path) -> list[str]:
     lines = []
     for path in sorted((experiment / "arms").glob("*.yaml")):
         settings = ""
-        if runs_on(experiment)[0] == "CPU":  # a cluster arm is a verl config, not moerl's
+        if not runs_on(experiment)[0].startswith("GPU cluster"):  # a cluster arm is a verl config, not moerl's
             cfg = load_config(path)
             settings = (f"  [{loss_label(cfg)}; replay {cfg.replay.mode}; rollout {cfg.rollout.dtype}"
                         f"{'; ' + cfg.model.preset if cfg.model.preset != 'qwen3_moe' else ''}]")

@@ -53,6 +53,8 @@ EXPERIMENTS = [
      "experiments/06_routing_geometry/run.sh --smoke", "[RESULTS](results/RESULTS.md#06_routing_geometry)"),
     ("07_dose_threshold", "at what rollout precision does GRPO collapse; which mitigation moves it?", "CPU",
      "experiments/07_dose_threshold/launch.sh --smoke", "[RESULTS](results/RESULTS.md#07_dose_threshold)"),
+    ("08_real_moe", "your checkpoint: mismatch per layer, LoRA GRPO", "1 GPU", "experiments/08_real_moe/launch.sh --smoke",
+     "not executed"),
 ]
 
 

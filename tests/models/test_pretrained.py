@@ -243,3 +243,52 @@ def test_memory_plan_counts_olmoe_exactly_and_says_whether_it_fits():
     assert abs(shape.params / 6.92e9 - 1) < 0.01  # published: 6.9B total
     assert memory_plan(cfg, olmoe, 80).margin_gib > 0
     assert memory_plan(cfg, olmoe, 40).margin_gib < 0
+
+
+def test_the_new_keys_leave_the_committed_warm_starts_found():
+    """The checkpoint keys are not read by a warm start, so they do not change its cache key."""
+    from moerl.trainer.warm_start import warm_start_dir
+
+    for arm in ("experiments/00_tiny_moe_cpu/arms/baseline.yaml", "experiments/07_dose_threshold/arms/baseline.yaml"):
+        assert (warm_start_dir(load_config(arm)) / "meta.json").exists(), arm
+
+
+@pytest.mark.slow
+def test_every_arm_of_experiment_08_runs_two_steps(tmp_path, doubles, gsm8k):
+    """Each arm file of experiment 08 on one checkpoint double, with a bf16 trainer and activation checkpointing
+    on (the settings a large checkpoint on one GPU takes)."""
+    from pathlib import Path
+
+    arms = sorted(p.stem for p in Path("experiments/08_real_moe/arms").glob("*.yaml"))
+    assert {"baseline", "fp32_rollout", "tis", "icepop", "r3", "r3_tis", "fp8_rollout", "nvfp4_rollout"} <= set(arms)
+    for arm in arms:
+        _, steps = _run(tmp_path / arm, doubles["qwen2_moe"], gsm8k, arm=arm,
+                        extra=("trainer.dtype=bf16", "trainer.activation_checkpointing=true", "trainer.eval_every=0",
+                               "rollout.prompts_per_step=2", "rollout.max_new_tokens=4"))
+        assert len(steps) == 2, arm
+        assert all(s["updates/skipped_nonfinite"] == 0 for s in steps), arm
+        if "r3" in arm:
+            assert all(s["routing/replayed_agreement"] == 1.0 for s in steps), arm
+
+
+def test_a_sharded_bf16_checkpoint_with_its_template_in_the_tokenizer_config_loads(tmp_path, doubles):
+    """Another layout of the hub's files than the doubles': weights in bf16 shards with an index, the chat
+    template inside tokenizer_config.json (older releases), no chat_template.jinja."""
+    from transformers import AutoModelForCausalLM
+
+    src = doubles["deepseek_v3"]
+    d = tmp_path / "sharded"
+    d.mkdir()
+    AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(d, max_shard_size="100KB")
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(src / name, d / name)
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    tc["chat_template"] = (src / "chat_template.jinja").read_text()
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    info = inspect_checkpoint(d)
+    assert len(info.weight_files) > 1 and (d / "model.safetensors.index.json").exists()
+    tok = load_tokenizer(info)
+    model = load_model(info)  # fp32 from bf16 files
+    assert next(model.parameters()).dtype == torch.float32
+    text = PromptFormat("math", checkpoint=True).texts(tok, ["1 + 1?"])[0]
+    assert text.startswith("<|im_start|>user") and "\\boxed{}" in text

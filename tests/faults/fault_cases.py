@@ -137,6 +137,10 @@ CASES = [
          "changed since, cannot skip it (data.train_path: <sha256> -> <sha256'> ...)`, before any run starts",
          "the finished run; no seed trained on other data next to it",
          "test_run_inputs.py::test_a_sweep_does_not_skip_a_finished_run_whose_data_changed"),
+    Case("a sweep after the cached base changed (seed 0 finished on the old base, seed 1 still to run)",
+         "`<run> was made from inputs whose content changed since, cannot skip it (base.config: <sha256> -> "
+         "<sha256'>; ...)`, before any run starts", "seed 0's run; no seed trained on another base beside it",
+         "test_run_inputs.py::test_a_sweep_does_not_skip_a_finished_run_whose_base_changed"),
     Case("the analysis over runs of one comparison made from different bases or data (a sweep that trained seed 1 "
          "on a changed base)", "`MixedInputsError: <experiment>: runs of one comparison were made from different "
          "base_hash (<h> in baseline/seed0; <h'> in baseline/seed1): they cannot be pooled; ...`",

@@ -162,3 +162,27 @@ def test_the_analysis_refuses_to_pool_runs_of_other_bases_or_data(tmp_path):
     _recorded_run(tmp_path / "c", "baseline", 0, "aaaa", {"data.train_path": "1111"})
     _recorded_run(tmp_path / "c", "baseline", 1, None)  # recorded before runs carried these hashes
     assert len(load_metrics(tmp_path / "c", "00_tiny_moe_cpu")) == 2
+
+
+def test_a_sweep_does_not_skip_a_finished_run_whose_base_changed(tmp_path):
+    """The cached base changed after seed 0 finished: the sweep refuses to skip it (and so to train seed 1 on
+    the new base next to it), naming the base's hashes."""
+    from test_resume_verified import _sweep_script
+
+    from moerl.tracking import Tracker
+
+    cache = tmp_path / "cache"
+    args = [*overrides(tmp_path / "runs"), f"warm_start.cache_dir={cache}"]
+    cfg = load_config(ARM, args)
+    shutil.copytree(warm_start_dir(load_config(ARM)), warm_start_dir(cfg))
+    Tracker(cfg.run_dir, cfg, inputs=inputs_record(cfg, warm_start_dir(cfg))).close()
+    (cfg.run_dir / "summary.json").write_text("{}")
+    sweep = _sweep_script()
+    assert sweep.plan(Path("experiments/00_tiny_moe_cpu"), [0], ["baseline"], args, 1)[2][0].action == "skip"
+    config = warm_start_dir(cfg) / "config.json"
+    old = content_hash(config)
+    config.write_text(config.read_text().replace('"norm_topk_prob": true', '"norm_topk_prob": false'))
+    assert content_hash(config) != old
+    with pytest.raises(SystemExit) as err:
+        sweep.plan(Path("experiments/00_tiny_moe_cpu"), [0], ["baseline"], args, 1)
+    assert f"cannot skip it (base.config: {old} -> {content_hash(config)}" in str(err.value.code), err.value.code

@@ -3,7 +3,7 @@
 LoRA gradient are bit-identical.
 
     .venv/bin/python benchmarks/bench_experts.py [--arm experiments/07_dose_threshold/arms/baseline.yaml]
-        [--rounds 10] [--threads 1] [--compile] [--out results/bench/experts] [key=value ...]
+        [--rounds 10] [--threads 1] [--compile] [--out DIR | --record] [key=value ...]
 
 ``--compile`` adds three sides: the same policy (moerl's local forward) under ``torch.compile`` (Inductor's
 CPU backend, static shapes, a recompile limit that lets each MoE layer have its own graph), with how many
@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -36,7 +37,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="also the policy under torch.compile (minutes to compile)")
-    ap.add_argument("--out", default="results/bench/experts")
+    add_output_args(ap, "results/bench/experts")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     import torch
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
               "rows": n, "positions": t, "median_s": medians, "ratio": ratio, "identical": identical,
               "compiled": compiled, "compiled_without_lora": plain, "machine": machine_info(),
               "when": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_experts.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'bench_experts.json'}")

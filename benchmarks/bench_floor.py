@@ -1,7 +1,7 @@
 """How far each phase of a GRPO step runs above its FLOP floor on this machine, for experiments 07 and 00.
 
     .venv/bin/python benchmarks/bench_floor.py [--quick] [--steps 6] [--isa default,AVX2] [--threads 1]
-        [--regimes 07,00,qwen3_30b_a3b] [--out results/bench/floor]
+        [--regimes 07,00,qwen3_30b_a3b] [--out DIR | --record]
 
 **The count.** Every matrix product of one step is counted from the model config and the batch's real
 token counts (a multiply-add is 2 FLOPs; elementwise work, norms, softmaxes and the optimiser are left
@@ -60,6 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # isa_children: the per-ISA child runner the benches share
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 from isa_children import report, run_per_isa  # noqa: E402
 
@@ -361,7 +362,7 @@ def main(argv=None) -> dict:
                                                            "('default': unset)")
     ap.add_argument("--regimes", default="07,00,qwen3_30b_a3b", help=f"comma-separated, of {sorted(REGIMES)} "
                                                                      "(07 first: its peak memory is read after it)")
-    ap.add_argument("--out", default="results/bench/floor")
+    add_output_args(ap, "results/bench/floor")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every regime's run")
     args = ap.parse_args(argv)
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
                       f"one evaluation ({res['measured_s']['time/eval']:.1f} s) (target <= {target:g} min: "
                       f"{'met' if minutes <= target else 'NOT met'})")
             print(f"  peak resident memory of the bench process so far: {res['peak_rss_mib_so_far']:.0f} MiB")
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     result = {"steps": args.steps, "quick": args.quick, "overrides": args.overrides, "results": results,
               "targets": TARGETS, "when": time.strftime("%Y-%m-%d %H:%M")}

@@ -4,7 +4,7 @@
     python benchmarks/bench_geometry.py --geometry deepseek_v3 --experts-implementation batched_mm
     python benchmarks/bench_geometry.py --profile             # also the top operators of the rollout (torch profiler)
 
-Writes ``<out>/bench_geometry_<geometry>_h<hidden>.json`` (default out: results/bench/geometry): each phase's
+Writes ``<out>/bench_geometry_<geometry>_h<hidden>.json`` (default out: runs/bench/geometry; results/bench/geometry with --record): each phase's
 seconds, the pass's total against its budget, the machine and its load average while the pass ran (other
 work on the CPU slows it, so the load is part of the figure).
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from moerl.bench_output import add_output_args, output_dir
 from moerl.config import load_config
 from moerl.data import load_splits
 from moerl.data.tokenizer import build_tokenizer
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     ap.add_argument("--profile", action="store_true", help="profile a second rollout and print its top operators")
-    ap.add_argument("--out", default="results/bench/geometry", help="where the JSON goes")
+    add_output_args(ap, "results/bench/geometry")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "experiments/06_routing_geometry/base.yaml")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{load_after:.1f})")
     phases = {"engine_build": s["engine_build"], "rollout": s["rollout"], "trainer_native": s["trainer_native"],
               "trainer_replay": s["trainer_replay"], "statistics": stats}
-    out = Path(args.out) / f"bench_geometry_{args.geometry}_h{cfg.model.hidden_size}.json"
+    out = output_dir(args) / f"bench_geometry_{args.geometry}_h{cfg.model.hidden_size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "geometry": args.geometry, "hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,

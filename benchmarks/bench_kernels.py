@@ -2,7 +2,7 @@
 with the fp32 rollout as the speed floor, under each oneDNN ISA cap in one run.
 
     .venv/bin/python benchmarks/bench_kernels.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
-        [--rounds 6] [--warmup 1] [--threads 1] [--isa default,AVX2] [--out results/kernels] [key=value ...]
+        [--rounds 6] [--warmup 1] [--threads 1] [--isa default,AVX2] [--out DIR | --record] [key=value ...]
 
 For each ISA setting a child process is started with ``ONEDNN_MAX_CPU_ISA`` set (oneDNN reads it once,
 at start-up; ``default`` leaves it unset): ``AVX2`` makes an AMX/AVX512-BF16 CPU run the kernels an
@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # isa_children: the per-ISA child runner the benches share
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 from isa_children import report, run_per_isa  # noqa: E402
 
@@ -77,7 +78,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--isa", default="default,AVX2",
                     help="comma-separated ONEDNN_MAX_CPU_ISA values ('default': unset)")
-    ap.add_argument("--out", default="results/kernels")
+    add_output_args(ap, "results/kernels")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
             print(f"{r['isa']:8s} {phase:14s} {m['native'][key]:9.3f} {m['emulated'][key]:10.3f} "
                   f"{m['fp32'][key]:7.3f} {ratio:16.2f} {'>=' + format(target, 'g'):>7s}"
                   f" {'met' if ratio >= target else 'NOT met'}")
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     result = {"arm": args.arm, "overrides": args.overrides, "results": results,
               "when": time.strftime("%Y-%m-%d %H:%M")}

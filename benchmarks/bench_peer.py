@@ -2,7 +2,7 @@
 
     .venv-peer/bin/python benchmarks/bench_peer.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
         [--rounds 8] [--per-round 2] [--warmup 1] [--threads 1] [--structures matched,default]
-        [--out results/peer] [key=value ...]
+        [--out DIR | --record] [key=value ...]
 
 (``.venv-peer`` comes from scripts/setup_peer_env.sh; moerl must be importable there, which the editable
 install does; this script also puts ``src/`` on the path.)
@@ -77,6 +77,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -100,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--structures", default=",".join(STRUCTURES),
                     help="comma-separated TRL structures to time: matched (steps_per_generation=2, old-logprob "
                          "pass, 2 updates) and/or default (1 update per generation, no old-logprob pass)")
-    ap.add_argument("--out", default="results/peer")
+    add_output_args(ap, "results/peer")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value, as scripts/run.py takes them")
     args = ap.parse_args(argv)
     for name in ("rounds", "per_round", "threads"):
@@ -538,7 +539,7 @@ def main(argv=None) -> dict:
               "checks": {**checks, "lora_changed": lora_changed, "generations": gen_checks,
                          "problems": problems},
               "versions": versions(), "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_peer.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'bench_peer.json'}")

@@ -4,7 +4,7 @@ Measures in one run, side by side: memory-copy bandwidth at 1 and 2 threads, byt
 refit on the default preset and on a ~100M-parameter preset, a per-pass breakdown of one refit
 (in-process), drift of the engine's effective weights over 100 refits (adapter-only vs merged with a
 bf16 base), and an analytic bytes/time model for Kimi-K2, DeepSeek-V3 and Qwen3-30B-A3B. Saves
-results/refit/bench_refit.json and .png.
+bench_refit.json and .png in runs/bench/refit/ (results/refit/ with --record).
 
 The copy model of a refit is bytes / (1-thread memcpy bandwidth) + (buckets + 1) message round trips
 + tensors x per-tensor overhead. The machine may be shared, so every round measures the memcpy
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from moerl.bench_output import add_output_args, output_dir
 from moerl.config import ExperimentConfig
 from moerl.data.tokenizer import build_tokenizer
 from moerl.lora.expert_modes import sharing
@@ -40,7 +41,6 @@ from moerl.rollout.precision import compute_dtype
 from moerl.refit.refitter import LocalTransport, Refitter, make_refitter
 from moerl.refit.weights import base_state_dict, effective_state_dict
 
-OUT = Path("results/refit")
 
 PRESETS = {
     "default": dict(hidden_size=128, num_layers=4, num_experts=8, top_k=2, moe_intermediate_size=128),
@@ -325,13 +325,15 @@ def analytic(bandwidth: float) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    add_output_args(ap, "results/refit")
     ap.add_argument("--quick", action="store_true", help="default preset only, fewer rounds")
     ap.add_argument("--rounds", type=int, default=None, help="alternating measurement rounds per preset")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    out = output_dir(args)
     torch.set_num_threads(1)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (3 if args.quick else 7)
     sums = checksum_speeds()
     print("checksum speed, 1 thread: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in sums.items()))
@@ -393,12 +395,12 @@ def main() -> None:
               "presets": rows, "drift": curves, "analytic": model, "analytic_bandwidth_Bps": nemo_bw,
               "nemo_rl_dsv3_refit_seconds": {"before": 692.5, "v0.3": 47.2},
               "when": time.strftime("%Y-%m-%d %H:%M")}
-    (OUT / "bench_refit.json").write_text(json.dumps(result, indent=1))
-    _plot(rows, curves, model)
-    print(f"saved {OUT / 'bench_refit.json'} and {OUT / 'bench_refit.png'}")
+    (out / "bench_refit.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, curves, model, out)
+    print(f"saved {out / 'bench_refit.json'} and {out / 'bench_refit.png'}")
 
 
-def _plot(rows, curves, model) -> None:
+def _plot(rows, curves, model, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -448,7 +450,7 @@ def _plot(rows, curves, model) -> None:
     ax[3].set_title("analytic bytes per refit")
     ax[3].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "bench_refit.png", dpi=110)
+    fig.savefig(out / "bench_refit.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Router Replay benchmark: packed trace sizes, and replay overhead against the same arm without replay.
 
     .venv/bin/python benchmarks/bench_replay.py [--config experiments/00_tiny_moe_cpu/base.yaml]
-        [--repeats 5] [--trainer-steps 4] [--no-trainer] [--out results/replay]
+        [--repeats 5] [--trainer-steps 4] [--no-trainer] [--out DIR | --record]
     .venv/bin/python benchmarks/bench_replay.py --instructions [--arm-config ...arms/baseline.yaml]
 
 1. Packed trace size per token for the paper models (L * k * ceil(log2 E) bits) -> trace_sizes.json.
@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 from moerl.config import ExperimentConfig, load_config, resolved_threads  # noqa: E402
 from moerl.replay.capture import record_generation  # noqa: E402
 from moerl.replay.packing import pack, paper_model_sizes, unpack  # noqa: E402
@@ -596,7 +597,7 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", default="qwen3_moe,deepseek_v3,mixtral",
                     help="presets for the agreement/k3 comparison ('' to skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
-    ap.add_argument("--out", default=str(ROOT / "results/replay"))
+    add_output_args(ap, "results/replay")
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions of one step per arm under callgrind (see 3. above) and exit")
     ap.add_argument("--arm-config", default="experiments/00_tiny_moe_cpu/arms/baseline.yaml",
@@ -614,7 +615,7 @@ def main(argv=None) -> None:
         instructions_child(args.arm_config, args.instructions_arm, args.warmup_steps, args.overrides,
                            Path(args.instructions_info))
         return
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads((out / "overhead.json").read_text()) if (out / "overhead.json").exists() else {}
     if args.instructions:

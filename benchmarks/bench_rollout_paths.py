@@ -4,7 +4,7 @@ its static cache and, with ``--compile``, its torch.compile'd decode: time per r
 batch is bit-identical to ``generate``'s.
 
     .venv/bin/python benchmarks/bench_rollout_paths.py [--arm experiments/07_dose_threshold/arms/baseline.yaml]
-        [--rounds 3] [--compile] [--quick] [--out results/bench/rollout_paths] [key=value ...]
+        [--rounds 3] [--compile] [--quick] [--out DIR | --record] [key=value ...]
 
 ``generate`` with a dynamic cache grows keys and values by one position per decode step.
 ``cache_implementation="static"`` pre-allocates the cache to the batch's full length, so every decode step
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 
 def same_batch(a, b) -> dict:
@@ -46,7 +47,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile", action="store_true", help="also the compiled static decode (minutes to compile)")
     ap.add_argument("--quick", action="store_true", help="1 round")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/bench/rollout_paths")
+    add_output_args(ap, "results/bench/rollout_paths")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     import torch
@@ -115,7 +116,7 @@ def main(argv=None) -> dict:
               "first_call_s": first_call, "median_s": medians, "ratio_to_generate": {n: m / reference for n, m in medians.items()},
               "identical_to_generate": {n: v for n, v in identical.items() if n != "generate"},
               "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rollout_paths.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'bench_rollout_paths.json'}")

@@ -1,7 +1,7 @@
 """GRPO step time: the current step against the step before its optimisations, side by side in one run.
 
     .venv/bin/python benchmarks/bench_step.py [--arm experiments/00_tiny_moe_cpu/arms/baseline.yaml]
-        [--rounds 8] [--warmup 2] [--threads N] [--out results/step] [key=value ...]
+        [--rounds 8] [--warmup 2] [--threads N] [--out DIR | --record] [key=value ...]
 
 Two trainers of the same arm and seed step in alternation (ABAB...), so machine noise hits both
 alike. "before" runs each step with the optimisations switched off, as the code ran without them:
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from moerl.bench_output import add_output_args, output_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=8, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the arm's)")
-    ap.add_argument("--out", default="results/step")
+    add_output_args(ap, "results/step")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     overrides = ["trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.samples_every=0",
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
               "target_met": speedup >= TARGET, "metrics_identical": not differing,
               "differing_steps": differing, "machine": machine_info(),
               "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M")}
-    out = Path(args.out)
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     record = out / (f"bench_step_threads{args.threads}.json" if args.threads else "bench_step.json")
     record.write_text(json.dumps(result, indent=1))

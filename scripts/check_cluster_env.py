@@ -4,7 +4,7 @@
     srun --ntasks-per-node=1 python scripts/check_cluster_env.py --gpus 8   # on every node of a job
 
 Why: a multi-node job that dies after Ray start-up on an import error in one worker, or trains with
-the wrong library version, wastes the whole allocation. Every pin in requirements-gpu.txt is compared
+the wrong library version, wastes the whole allocation. Every pin in requirements/gpu.txt is compared
 with what is installed, the packages built from source on the node are imported, CUDA and the GPU
 count are checked, and moerl's verl plug-ins (policy losses, reward function) are imported the way
 verl's Ray workers import them. Prints one line per check and ``fix:`` for each failure; exits 1 if
@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Built from source on the node (requirements-gpu.txt header): import name, distribution, version.
+# Built from source on the node (requirements/gpu.txt header): import name, distribution, version.
 SOURCE_BUILT = (("megatron.bridge", "megatron-bridge", "0.6.2"),
                 ("transformer_engine.pytorch", "transformer-engine", "2.20.2"),
                 ("flash_attn", "flash-attn", "2.8.3"),
@@ -60,8 +60,16 @@ def installed(dist: str) -> str | None:
 
 def check_python() -> Result:
     ok = sys.version_info[:2] == (3, 12)
-    return Result("python", ok, f"Python {sys.version.split()[0]} (requirements-gpu.txt targets 3.12: "
+    return Result("python", ok, f"Python {sys.version.split()[0]} (requirements/gpu.txt targets 3.12: "
                   f"Megatron-Bridge needs >=3.12,<3.13)", "use a Python 3.12 environment")
+
+
+def _shown(path: Path) -> str:
+    """A requirements file as a user types it from the checkout (requirements/gpu.txt)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def check_pins(requirements: Path) -> list[Result]:
@@ -70,7 +78,7 @@ def check_pins(requirements: Path) -> list[Result]:
         have = installed(dist)
         ok = have is not None and have.split("+")[0] == want
         out.append(Result(f"pin:{dist}", ok, f"{dist} {have or 'not installed'} (pinned {want})",
-                          f"pip install -r {requirements.name}"))
+                          f"pip install -r {_shown(requirements)}"))
     return out
 
 
@@ -99,7 +107,7 @@ def check_imports() -> list[Result]:
             out.append(Result(f"import:{module}", True, "ok"))
         except Exception as e:
             out.append(Result(f"import:{module}", False, f"{type(e).__name__}: {e}",
-                              "pip install -r requirements-gpu.txt"))
+                              "pip install -r requirements/gpu.txt"))
     return out
 
 
@@ -107,11 +115,11 @@ def check_cuda(gpus: int | None) -> list[Result]:
     try:
         import torch
     except Exception as e:
-        return [Result("cuda", False, f"torch does not import: {e}", "pip install -r requirements-gpu.txt")]
+        return [Result("cuda", False, f"torch does not import: {e}", "pip install -r requirements/gpu.txt")]
     avail = torch.cuda.is_available()
     n = torch.cuda.device_count() if avail else 0
     out = [Result("cuda", avail, f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                  f"cuda available={avail}", "a CUDA build of torch (requirements-gpu.txt) and a working driver")]
+                  f"cuda available={avail}", "a CUDA build of torch (requirements/gpu.txt) and a working driver")]
     if gpus is not None:
         out.append(Result("gpus", n >= gpus, f"{n} GPUs visible, the job wants {gpus} per node",
                           "check CUDA_VISIBLE_DEVICES and the SLURM --gpus-per-node request"))
@@ -164,7 +172,7 @@ def run_checks(requirements: Path, gpus: int | None, cuda: bool = True) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requirements", type=Path, default=REPO / "requirements-gpu.txt")
+    ap.add_argument("--requirements", type=Path, default=REPO / "requirements/gpu.txt")
     ap.add_argument("--gpus", type=int, help="GPUs this node must expose")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA checks (e.g. on a login node)")
     args = ap.parse_args(argv)

@@ -2,10 +2,12 @@
 one that fails.
 
     python scripts/check_first_steps.py RUN [--experiment experiments/04_moonlight_16b_a3b_r3] [--r3]
-                                        [--refit-log LOG] [--checkpoint CKPT --ep N]
+                                        [--refit-log LOG] [--expert-bias-log EB] [--checkpoint CKPT --ep N]
     RUN: a moerl run directory, a verl file-logger .jsonl, a verl console log, or wandb:ENTITY/PROJECT/RUN_ID
     LOG: the run's refit side log (moerl.verl_ext.refit_log; the launcher prints its path); found by itself
          as X.refit.jsonl beside a run log X.jsonl. It decides the refit at any learning rate.
+    EB: the trainer's expert-bias side log (moerl.verl_ext.expert_bias_log); found by itself as
+        X.expert_bias.jsonl beside the refit side log. Fails a run whose router expert bias moved.
     CKPT: the trainer's checkpoint of the adapter (Megatron torch_dist / DCP directory, .pt or .safetensors)
 
 The invariants, their reasons and the bf16 floors: moerl.verl_ext.first_steps; the checkpoint's:
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
                          "prints that the refit was not checked")
     ap.add_argument("--refit-log", help="the run's refit side log (default: RUN's X.refit.jsonl beside X.jsonl, "
                                         "if it exists); decides the refit at any learning rate")
+    ap.add_argument("--expert-bias-log", help="the trainer's expert-bias side log (default: X.expert_bias.jsonl "
+                                              "beside the refit side log, if it exists)")
     ap.add_argument("--checkpoint", help="also check the trainer checkpoint's shared expert adapter across EP ranks")
     ap.add_argument("--ep", type=int, help="expert-parallel size of that checkpoint (names the drifted EP ranks)")
     args = ap.parse_args(argv)
@@ -46,6 +50,12 @@ def main(argv: list[str] | None = None, api=None) -> int:
             found = beside(args.run)
             side = found if found.is_file() else None
         refit_log = fs.read_refit_log(side) if side is not None else None
+        from moerl.verl_ext import expert_bias_log
+
+        bias_log = args.expert_bias_log
+        if bias_log is None and side is not None and expert_bias_log.beside(side).is_file():
+            bias_log = expert_bias_log.beside(side)
+        bias_verdict = expert_bias_log.check(bias_log) if bias_log is not None else None
         tensors = None
         if args.checkpoint:
             from moerl.verl_ext.checkpoint_check import read_checkpoint
@@ -58,6 +68,8 @@ def main(argv: list[str] | None = None, api=None) -> int:
     verdicts = fs.check(rows, family or "?", r3=bool(args.r3 or r3), floor=args.floor,
                         r3_unlogged_ok=args.r3_unlogged_ok, refit_undecided_ok=args.refit_undecided_ok,
                         refit_log=refit_log, refit_log_source=f"refit side log {side}")
+    if bias_verdict is not None:
+        verdicts.append(bias_verdict)
     if tensors is not None:
         from moerl.verl_ext.checkpoint_check import check_shared_expert_copies
 

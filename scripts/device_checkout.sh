@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Fit this checkout under the GPU device tool's 64 MiB, for the length of one device call.
+# Fit this checkout under 64 MiB while it is copied to a GPU machine whose transfer has that limit.
 #
 #     bash scripts/device_checkout.sh size      # MiB that would travel now (tracked + untracked-not-ignored)
 #     bash scripts/device_checkout.sh slim      # stop tracking the recorded results, in the index only
 #     bash scripts/device_checkout.sh restore   # track them again: the index as it was, nothing else changed
 #
-# The device tool sends the checkout the session started in: every tracked file and every untracked file git
-# does not ignore. The recorded results (results/runs/, results/warm_start/: about 160 MiB) are outputs of
+# Such a copy takes every tracked file and every untracked file git does not ignore. The recorded results (results/runs/, results/warm_start/: about 160 MiB) are outputs of
 # earlier runs, not inputs of any prepared GPU check (scripts/gpu_router_replay.sh, gpu_width_geometry.py).
 # `slim` removes them from the index (`git rm --cached`: the files stay on disk) and ignores them in
 # .git/info/exclude, so they no longer travel; `restore` puts the index entries back from HEAD and drops
@@ -48,7 +47,7 @@ case "${1:-}" in
     { echo "$BEGIN"; for p in "${PATHS[@]}"; do echo "/$p/"; done; echo "$END"; } >> "$exclude"
     mkdir -p "$(dirname "$hook")"
     printf '%s\n' '#!/bin/sh' \
-      'echo "moerl: this checkout is slimmed for a device call (the recorded results are out of the index);" >&2' \
+      'echo "moerl: this checkout is slimmed for a copy to a GPU machine (the recorded results are out of the index);" >&2' \
       'echo "       run bash scripts/device_checkout.sh restore before committing" >&2' 'exit 1' > "$hook"
     chmod +x "$hook"
     printf '%s\n' "${PATHS[@]}" > "$marker"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The wheels the prepared GPU checks carry to a lent GPU machine (CPython 3.12, CUDA torch, no network):
-# requirements-device.txt (hashes pinned) into the git-ignored .whl/ that a device call names in `carry`.
+# The wheels the GPU checks install on a CUDA machine that may have no network (CPython 3.12, CUDA torch):
+# requirements/device.txt (hashes pinned) into the git-ignored .whl/, to copy over with the checkout.
 #
 #     bash scripts/device_wheels.sh [DIR]     # here, where a registry is reachable (default DIR: .whl)
 #
@@ -19,15 +19,15 @@ PY=${PYTHON:-python3}
 mkdir -p "$dir"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --require-hashes --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$dir" -r requirements-device.txt
+    --platform manylinux2014_x86_64 -d "$dir" -r requirements/device.txt
 if ! ls "$dir"/antlr4_python3_runtime-4.9.3-py3-none-any.whl >/dev/null 2>&1; then
-  "$PY" -m pip wheel -q --no-deps --require-hashes --no-build-isolation -w "$dir" -r requirements-device-sdist.txt
+  "$PY" -m pip wheel -q --no-deps --require-hashes --no-build-isolation -w "$dir" -r requirements/device-sdist.txt
 fi
 # exactly one file per pinned name, nothing else (two versions of one package stop the offline install)
-want=$(grep -hoE '^[A-Za-z0-9_.-]+==' requirements-device.txt requirements-device-sdist.txt | wc -l)
+want=$(grep -hoE '^[A-Za-z0-9_.-]+==' requirements/device.txt requirements/device-sdist.txt | wc -l)
 have=$(ls "$dir"/*.whl | wc -l)
 if [ "$want" != "$have" ]; then
-  echo "[device-wheels] error: $dir holds $have wheels, requirements-device*.txt pin $want: empty $dir and rerun" >&2
+  echo "[device-wheels] error: $dir holds $have wheels, requirements/device*.txt pin $want: empty $dir and rerun" >&2
   exit 2
 fi
 (cd "$dir" && sha256sum ./*.whl > SHA256SUMS)

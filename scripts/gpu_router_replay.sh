@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: verl 0.9.1's Router Replay on megatron-core 0.19.2 (tests/upstream/
 # test_megatron_router_replay.py) on one CUDA device, reported as OUT_DIR/router_replay.{json,png,log}.
-#   MOERL_TEST_DEVICE=cuda bash scripts/gpu_router_replay.sh OUT_DIR     (on the GPU machine: OUT_DIR="$OUT")
+#   MOERL_TEST_DEVICE=cuda bash scripts/gpu_router_replay.sh OUT_DIR     (on the GPU machine)
 #   MOERL_TEST_DEVICE=cpu  bash scripts/gpu_router_replay.sh OUT_DIR     (the same steps on the CPU)
 # OUT_DIR: new or empty (a report there is never overwritten).
 # First, where a registry is reachable: bash scripts/device_wheels.sh (fills .whl/, carried).
@@ -36,7 +36,7 @@ esac
   echo "[gpu-router-replay] error: MOERL_TEST_DEVICE=cuda but $PY's torch sees no CUDA device; use MOERL_TEST_DEVICE=cpu to rehearse" >&2
   exit 2; }
 [ -f "$wheels/SHA256SUMS" ] || {
-  echo "[gpu-router-replay] error: $wheels/SHA256SUMS missing: run scripts/device_wheels.sh where a registry is reachable, and carry $wheels" >&2
+  echo "[gpu-router-replay] error: $wheels/SHA256SUMS missing: run scripts/device_wheels.sh where a package index is reachable, and copy $wheels here" >&2
   exit 2; }
 [ -e "$out/router_replay.json" ] && {
   echo "[gpu-router-replay] error: $out/router_replay.json exists: give an empty OUT_DIR (nothing is overwritten)" >&2

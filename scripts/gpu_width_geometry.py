@@ -1,7 +1,7 @@
 """Experiment 06 on a GPU: the Qwen3-30B-A3B routing geometry with trained routers at hidden 256 -> 2048,
-the bf16 rollout on the GPU's own kernels against the fp32 trainer. One prepared run of <= 10 minutes.
+the bf16 rollout on the GPU's own kernels against the fp32 trainer, within a time guard (--budget-s, 480 s).
 
-    python scripts/gpu_width_geometry.py --out "$OUT"                    # on a lent GPU (the documented call)
+    python scripts/gpu_width_geometry.py --out OUT_DIR                   # on one CUDA GPU (experiment 06's README)
     python scripts/gpu_width_geometry.py --device cpu --smoke --out DIR  # CI-sized: every part on the CPU
     python scripts/gpu_width_geometry.py --figure-only --out results/geometry/gpu   # redraw from the points
     python scripts/gpu_width_geometry.py --out "$OUT" --widths 256 --sft-steps 400 --sft-seed 1   # another SFT

@@ -6,11 +6,25 @@
 # The remaining arguments are left in ARGS, in order: an arm, run/sweep options, key=value overrides.
 # Python: $PYTHON when set (a cluster's or CI's environment), else .venv/bin/python (created on demand).
 set -euo pipefail
+# --help: the launcher's own usage (its header comment), before anything is set up.
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+  esac
+done
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
 else
   bash scripts/setup_env.sh
   PY=.venv/bin/python
+fi
+# A dependency the interpreter lacks ends in one line naming it, before any run starts.
+missing=$("$PY" -c 'import importlib.util
+print(" ".join(m for m in ("torch", "transformers", "peft", "yaml", "omegaconf", "pandas", "matplotlib")
+               if importlib.util.find_spec(m) is None))' 2>/dev/null) || missing="(it does not start)"
+if [ -n "$missing" ]; then
+  echo "error: $PY lacks $missing; run bash scripts/setup_env.sh (or set PYTHON to an interpreter with requirements/cpu.txt)" >&2
+  exit 1
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT="" RECORD=0 SMOKE=0 ARGS=()

@@ -13,8 +13,6 @@ import argparse
 import sys
 
 from moerl import planner
-from moerl.verl_ext.compose import ExperimentError, compose_experiment, load_experiment
-from moerl.verl_ext.launch import gpu_hours, layout_from_cfg
 
 
 def fmt_n(x: float) -> str:
@@ -59,7 +57,7 @@ def report(p: planner.Plan, lay: planner.Layout, cfg: dict) -> str:
     out.append(f"trainer per GPU (peak, during the update): {p.trainer_gib:.1f} GiB")
     out += [f"  {m.name:55s} {m.gib:8.2f} GiB  {m.note}" for m in p.trainer]
     out.append(f"  resident while vLLM runs (colocated): {p.trainer_resident_during_rollout_gib:.1f} GiB")
-    out.append(f"  host RAM for offloaded params/grads/optimizer: {p.host_offload_gib_per_node:.1f} GiB per node "
+    out.append(f"  host RAM for offloaded params/grads/optimizer + vLLM sleep copy: {p.host_offload_gib_per_node:.1f} GiB per node "
                f"({lay.gpus_per_node} GPUs)" + (f" of {lay.host_mem_gib:.0f} GiB" if lay.host_mem_gib else ""))
     out.append(f"rollout per GPU: {p.rollout_gib:.1f} GiB (KV cache holds {p.rollout_kv_tokens:,.0f} tokens per replica)")
     out += [f"  {m.name:55s} {m.gib:8.2f} GiB  {m.note}" for m in p.rollout]
@@ -70,6 +68,12 @@ def report(p: planner.Plan, lay: planner.Layout, cfg: dict) -> str:
                f"per rollout TP rank")
     if p.lora and p.refit_adapter_bytes:
         out.append(f"  merged / adapter = {p.refit_merged_bytes / p.refit_adapter_bytes:.1f}x")
+    for title, lines, total in (("refit receive side, every step", p.refit_receive, p.refit_receive_gib),
+                                ("refit receive side, base sync (once)", p.refit_base_sync, p.refit_base_sync_gib)):
+        if lines:
+            out.append(f"{title}: {total:.1f} GiB of {p.gpu_mem_gib:.0f} GiB per rollout GPU "
+                       f"(headroom {p.gpu_mem_gib - total:.1f} GiB)")
+            out += [f"  {x.name:<56} {x.gib:6.2f} GiB  {x.note}" for x in lines]
     out.append(f"routing trace per step ({p.trace_tokens_per_step:,} tokens = batch x n x (prompt+response)):")
     out.append(f"  packed {p.trace_bits_per_token} bits/token = L_moe*k*ceil(log2 E): {fmt_b(p.trace_packed_bytes)}")
     out.append(f"  int16: {fmt_b(p.trace_int16_bytes)}")
@@ -87,6 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arm")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.rollout.tensor_model_parallel_size=8")
     args = ap.parse_args(argv)
+    # verl's modules take seconds to import: after the arguments, so --help answers at once
+    print(f"[plan] composing {args.experiment} against verl's config...", file=sys.stderr, flush=True)
+    from moerl.verl_ext.compose import ExperimentError, compose_experiment, load_experiment
+    from moerl.verl_ext.launch import gpu_hours, layout_from_cfg
+
     try:
         exp = load_experiment(args.experiment, args.arm)
         cfg = compose_experiment(exp, args.overrides)

@@ -110,7 +110,11 @@ def run(args) -> dict | None:
                                              "reward_first10", "reward_last10")}, indent=2))
     print(f"run directory: {run_dir}")
     if sync_dir is not None:
-        print(f"wandb (offline): upload with `wandb sync {shlex.quote(str(sync_dir))}`")
+        from moerl.tracking import wandb_sync_command
+
+        # every directory of a resumed run into its one wandb run
+        command = wandb_sync_command(run_dir) or f"wandb sync {shlex.quote(str(sync_dir))}"
+        print(f"wandb (offline): upload with `{command}`")
     return summary
 
 

@@ -6,7 +6,7 @@
 Runs each notebook (default: every analysis/*.ipynb) top to bottom with nbclient in this
 interpreter's kernel (the repo's venv), from the notebook's own directory (analysis/, as nbconvert
 runs it), with $MOERL_RESULTS / $MOERL_EXPERIMENT / $MOERL_ARMS set from the options, and writes the executed copy to --out; the notebooks in analysis/ stay
-output-free. Equivalent by hand, from the venv (requirements.txt installs nbconvert):
+output-free. Equivalent by hand, from the venv (requirements/cpu.txt installs nbconvert):
 `.venv/bin/jupyter nbconvert --to notebook --execute analysis/NAME.ipynb` with the same environment variables.
 """
 from __future__ import annotations

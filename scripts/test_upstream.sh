@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Upstream code executed on CPU. Usage: scripts/test_upstream.sh [megatron|mcore|vllm|all] [pytest args]
 #   megatron  verl 0.9.1's Megatron-side Router Replay on megatron-core 0.16.1 (gloo, world size 1):
-#             tests/upstream, in the main .venv (requirements.txt; the main suite runs them too).
-#   mcore     the same tests/upstream at the cluster's pins: megatron-core 0.19.2 (requirements-gpu.txt)
+#             tests/upstream, in the main .venv (requirements/cpu.txt; the main suite runs them too).
+#   mcore     the same tests/upstream at the cluster's pins: megatron-core 0.19.2 (requirements/gpu.txt)
 #             on Python 3.12, in its own venv ($MOERL_MCORE_VENV, default .venv-mcore), built by
 #             scripts/setup_upstream_mcore_venv.sh when absent (~4.6 GB download; not in .ci/run, see
 #             docs/cluster.md for its measured set-up and test time).

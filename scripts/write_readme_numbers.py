@@ -19,6 +19,7 @@ import argparse
 import functools
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -495,8 +496,25 @@ def section_07_drift_facts(runs_root: Path) -> str:
     return drift_facts(c["runs"], c["report"].REGISTERED)
 
 
+def section_command_times(results: Path) -> str:
+    """The README's time table: each documented command's wall time, measured by scripts/time_commands.py."""
+    import json
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from time_commands import table
+
+    path = results / "command_times.json"
+    if not path.exists():
+        return "Not measured yet: `.venv/bin/python scripts/time_commands.py`."
+    record = json.loads(path.read_text())
+    dates = sorted({r["date"] for r in record["commands"].values()})
+    return table(record) + f"\n\nBy `scripts/time_commands.py` ({', '.join(dates)}; other jobs on the machine)."
+
+
 # name -> (the files that carry the section, relative to the repository; how to compute it from results/)
 SECTIONS = {
+    "command_times": (["README.md"], section_command_times),
+    "metrics": (["docs/metrics.md"], lambda results: __import__("moerl.trainer.metric_docs", fromlist=["markdown"]).markdown()),
     "experiments": (["README.md"], lambda results: section_experiments(results)),
     "00": (["README.md", "experiments/00_tiny_moe_cpu/README.md"], lambda results: section_00(results / "runs")),
     "00_setup": (["experiments/00_tiny_moe_cpu/README.md"], section_00_setup),
@@ -574,8 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     texts: dict[Path, str] = {}
     stale = []
-    for name in wanted:
+    started = time.perf_counter()
+    for i, name in enumerate(wanted, 1):
         files, compute = SECTIONS[name]
+        # progress on stderr: the sections read every recorded run and take about a minute together
+        print(f"[write_readme_numbers] {i}/{len(wanted)} {name} ({time.perf_counter() - started:.0f} s)",
+              file=sys.stderr, flush=True)
         body = compute(Path(args.results))
         for path in (root / f for f in files):
             old = texts.get(path, path.read_text())

@@ -24,10 +24,11 @@ def launch(script: str, *args: str, python: str = sys.executable, timeout: int =
 
 @pytest.fixture
 def fake_python(tmp_path) -> tuple[str, Path]:
-    """A stand-in interpreter that logs each command line it is given (one per line) and succeeds."""
+    """A stand-in interpreter that logs each command line it is given (one per line) and succeeds; it has
+    every dependency (the launchers' check for missing packages prints nothing and is not logged)."""
     log = tmp_path / "calls.log"
     script = tmp_path / "python"
-    script.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    script.write_text(f'#!/usr/bin/env bash\ncase "$*" in *find_spec*) exit 0;; esac\necho "$*" >> {log}\n')
     script.chmod(0o755)
     return str(script), log
 
@@ -102,7 +103,7 @@ def test_cluster_launchers_use_the_chosen_python(experiment, fake_python):
                    for line in text.splitlines() if not line.lstrip().startswith("#"))
     done = launch(f"experiments/{experiment}/launch.sh", "--dry-run", python=python)
     assert done.returncode == 0, done.stderr
-    assert log.read_text().splitlines()[-1] == f"-m moerl.verl_ext.launch experiments/{experiment} --dry-run"
+    assert log.read_text().splitlines()[-1] == f"-m moerl.entry moerl.verl_ext.launch experiments/{experiment} --dry-run"
 
 
 def test_cluster_launcher_names_a_missing_experiment():
@@ -110,9 +111,12 @@ def test_cluster_launcher_names_a_missing_experiment():
     assert done.returncode == 2 and "expected an experiment folder name under experiments/, got '05_nope'" in done.stderr
 
 
-def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python):
+@pytest.mark.parametrize("system_python3", ["exit 1",  # a system python3 without moerl
+                                            'case "$*" in *torch*) exit 1;; esac'])  # moerl on its path, no torch
+def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python, system_python3):
     """After the README's set-up (.venv, no PYTHON), a cluster launcher's --dry-run runs on the checkout's
-    .venv when python3 has no moerl; before, it stopped with "moerl is not installed"."""
+    .venv when python3 has no moerl or no torch; before, it stopped with "moerl is not installed", or with a
+    traceback from the missing torch."""
     python, log = fake_python
     experiment = CLUSTER[-1]
     for script in (f"experiments/{experiment}/launch.sh", "scripts/cluster_launch.sh"):
@@ -121,11 +125,46 @@ def test_cluster_launcher_falls_back_to_the_checkouts_venv(tmp_path, fake_python
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").symlink_to(python)
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")  # a system python3 without moerl
+    (tmp_path / "bin" / "python3").write_text(f"#!/bin/sh\n{system_python3}\n")
     (tmp_path / "bin" / "python3").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
     done = subprocess.run(["bash", str(tmp_path / "experiments" / experiment / "launch.sh"), "--dry-run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stderr.strip() == "launch.sh: python3 has no moerl; using .venv/bin/python (set PYTHON to choose another)"
-    assert log.read_text().splitlines()[-1] == f"-m moerl.verl_ext.launch experiments/{experiment} --dry-run"
+    assert done.stderr.strip() == ("launch.sh: python3 has no moerl or no torch; using .venv/bin/python "
+                                   "(set PYTHON to choose another)")
+    assert log.read_text().splitlines()[-1] == f"-m moerl.entry moerl.verl_ext.launch experiments/{experiment} --dry-run"
+
+
+@pytest.mark.parametrize("script", ["experiments/01_kimi_k2_lora_grpo/launch.sh", "experiments/00_tiny_moe_cpu/launch.sh"])
+def test_help_is_the_launchers_own(script):
+    done = launch(script, "--help", python="/nonexistent/python")  # --help needs no interpreter
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1].lstrip().startswith(("./launch.sh", "experiments/00_tiny_moe_cpu/launch.sh"))
+    assert "usage: sweep.py" not in done.stdout and "usage: launch.py" not in done.stdout
+
+
+def test_cluster_launcher_names_a_missing_package_in_one_line(tmp_path):
+    """An interpreter that imports moerl but has no torch (a bare cluster image's python3)."""
+    shadow = tmp_path / "torch"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": f"{tmp_path}:{REPO / 'src'}"}
+    done = subprocess.run(["bash", str(REPO / "experiments/01_kimi_k2_lora_grpo/launch.sh"), "--dry-run"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1:] == [
+        f"error: {sys.executable} lacks the Python package 'torch', which moerl.verl_ext.launch imports; install the "
+        "cluster environment (requirements/gpu.txt, docs/cluster.md) or set PYTHON to an interpreter that has it"]
+
+
+def test_cpu_launcher_names_missing_packages_in_one_line(tmp_path):
+    bare = tmp_path / "python"
+    bare.write_text('#!/usr/bin/env bash\ncase "$*" in *find_spec*) echo torch peft; exit 0;; esac\necho ran >> '
+                    f'{tmp_path}/ran.log\n')
+    bare.chmod(0o755)
+    done = launch("experiments/00_tiny_moe_cpu/launch.sh", "r3", python=str(bare))
+    assert done.returncode == 1 and not (tmp_path / "ran.log").exists()
+    assert done.stderr.strip().splitlines() == [
+        f"error: {bare} lacks torch peft; run bash scripts/setup_env.sh (or set PYTHON to an interpreter with "
+        "requirements/cpu.txt)"]

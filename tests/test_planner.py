@@ -219,3 +219,43 @@ def test_readme_refit_figures_are_the_planners(exp, arm, readme, capsys):
     assert same(float(merged_text.group(1)), quoted_merged), (readme, merged_text.group(1), quoted_merged)
     if quoted_ratio is not None:
         assert round(ratio) == quoted_ratio
+
+
+def test_refit_receive_side_holds_the_whole_exported_adapter_beside_vllms_weights():
+    """Every step's refit peak on a rollout GPU: resumed vLLM weights + LoRA slot, every received adapter
+    tensor (kept until the last bucket), the bucket and the stated allowance."""
+    k2 = planner.load_public_config("kimi_k2")
+    lay = _kimi_layout(rollout_ep=64, fully_sharded_loras=False, lora_targets=(
+        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj", "linear_fc1", "linear_fc2"))
+    p = planner.plan(k2, lay)
+    lines = {x.name: x.gib for x in p.refit_receive}
+    received = lines["received adapter tensors, kept until the last bucket"]
+    assert received == pytest.approx(p.refit_adapter_bytes / planner.GIB) and 38 < received < 39
+    assert lines["transfer bucket (CUDA IPC)"] == 2.0
+    assert p.refit_receive_gib == pytest.approx(sum(lines.values())) and 75 < p.refit_receive_gib < 77
+    smaller = planner.plan(k2, _kimi_layout(**{**lay.__dict__, "refit_bucket_mib": 512}))
+    assert p.refit_receive_gib - smaller.refit_receive_gib == pytest.approx(1.5)
+    # an H100 with 64 GiB would not hold it: named as the refit's problem
+    tight = planner.plan(k2, _kimi_layout(**{**lay.__dict__, "gpu_mem_gib": 64, "gpu_memory_utilization": 0.6}))
+    assert any(x.startswith("refit (every step) needs") for x in tight.problems)
+    # merged refit loads bucket by bucket: no accumulated adapter
+    merged = planner.plan(k2, _kimi_layout(**{**lay.__dict__, "lora_merge": True}))
+    assert not any("received adapter" in x.name for x in merged.refit_receive) and not merged.refit_base_sync
+
+
+def test_host_ram_counts_vllms_level_1_sleep_copy_for_adapter_runs():
+    k2 = planner.load_public_config("kimi_k2")
+    lay = _kimi_layout(rollout_ep=64, fully_sharded_loras=False)
+    adapter = planner.plan(k2, lay)
+    merged = planner.plan(k2, _kimi_layout(**{**lay.__dict__, "lora_merge": True}))
+    weights = sum(x.gib for x in adapter.rollout if x.name.startswith(("weights", "LoRA slot")))
+    extra = adapter.host_offload_gib_per_node - merged.host_offload_gib_per_node
+    assert extra == pytest.approx(8 * (weights + adapter.refit_adapter_bytes / planner.GIB))
+
+
+def test_plan_prints_the_refit_receive_side(capsys):
+    plan = _script("plan")
+    assert plan.main(["experiments/01_kimi_k2_lora_grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "refit receive side, every step:" in out and "update_weights_bucket_megabytes=512" in out
+    assert "refit receive side, base sync (once):" in out

@@ -263,6 +263,11 @@ def count_lora_params(cfg: dict, rank: int, targets: list[str], expert_mode: str
 # memory
 # ---------------------------------------------------------------------------------------------
 
+# The refit's contexts and buffers on one GPU: two CUDA contexts (the trainer worker's and the vLLM
+# worker's, ~0.5-1 GiB each), their NCCL communicators (TP/PP/EP/DP groups of the trainer, TP/EP of vLLM)
+# and allocator fragmentation. An assumption, not a measurement: no GPU run has been made.
+REFIT_CONTEXT_ALLOWANCE_GIB = 5.0
+
 @dataclass
 class Layout:
     """The trainer (Megatron) and rollout (vLLM) layouts of one experiment, as composed."""
@@ -295,6 +300,7 @@ class Layout:
     kv_dtype: str = "bf16"
     gpus_per_node: int = 8
     host_mem_gib: float | None = None  # per node; None = not checked
+    refit_bucket_mib: int = 2048        # verl rollout.checkpoint_engine.update_weights_bucket_megabytes (rollout.yaml:296)
 
     @property
     def dp(self) -> int:
@@ -342,6 +348,16 @@ class Plan:
     trainer_resident_during_rollout_gib: float = 0.0
     host_offload_gib_per_node: float = 0.0
     problems: list[str] = field(default_factory=list)
+    refit_receive: list[MemoryLine] = field(default_factory=list)    # per rollout GPU, the step's refit peak
+    refit_base_sync: list[MemoryLine] = field(default_factory=list)  # the one-off base sync of a LoRA run
+
+    @property
+    def refit_receive_gib(self) -> float:
+        return sum(x.gib for x in self.refit_receive)
+
+    @property
+    def refit_base_sync_gib(self) -> float:
+        return sum(x.gib for x in self.refit_base_sync)
 
     @property
     def trainer_gib(self) -> float:
@@ -477,6 +493,15 @@ def plan(cfg: dict, layout: Layout) -> Plan:
     # what offload puts in host RAM, per node (every GPU of the node offloads its own shard)
     host = ((params_grads if layout.param_offload else 0.0) + (optim_gib if layout.optimizer_offload else 0.0)
             ) * layout.gpus_per_node
+    host_vllm = 0.0
+    if lora is not None and not layout.lora_merge:
+        # An adapter run puts vLLM to sleep at level 1 (verl vllm_async_server.py:1289-1305), which copies
+        # every rank's weights and LoRA slot to host memory rather than dropping them; the received adapter
+        # is also held as a CPU LoRA model by vLLM's LoRA manager (the last audit's count, not read in
+        # vLLM's source here).
+        host_vllm = (sum(x.gib for x in rollout if x.name.startswith(("weights", "LoRA slot")))
+                     + adapter_elems * wb / GIB) * layout.gpus_per_node
+    host += host_vllm
     rollout.append(MemoryLine("activation/graph workspace (allowance)", 2.0))
     kv_gib = budget - sum(x.gib for x in rollout)
     rollout.append(MemoryLine("KV cache (what is left of gpu_memory_utilization)", max(kv_gib, 0.0),
@@ -494,14 +519,55 @@ def plan(cfg: dict, layout: Layout) -> Plan:
     packed = math.ceil(tokens_step * bits / 8)
     int16 = tokens_step * len(moe_layer_indices(cfg)) * k * 2
 
+    # The refit, on each rollout GPU (verl 0.9.1 colocated "naive" sync, workers/engine_workers.py:768-815):
+    # vLLM's weights are resumed (KV cache still freed), the trainer loads its parameters back to the GPU
+    # (engine/megatron/transformer_impl.py:1036-1040: the adapters only, once the base is synced) and
+    # streams them through one CUDA bucket it shares with vLLM by IPC (rollout/vllm_rollout/
+    # bucketed_weight_transfer.py:179-183). Adapter tensors are cloned and kept until the last bucket
+    # (vllm_rollout/utils.py:300-318), and Bridge exports the shared expert adapter under every expert's
+    # name: the whole exported adapter sits on every rollout GPU at once.
+    roll_weights = sum(x.gib for x in rollout if not x.name.startswith(("activation", "KV")))
+    lora_gib = next((x.gib for x in trainer if x.name.startswith("LoRA params")), 0.0)
+    optim_on_gpu = 0.0 if layout.optimizer_offload else optim_gib
+    bucket = layout.refit_bucket_mib / 1024
+    ctx = MemoryLine("CUDA contexts + NCCL + fragmentation (allowance)", REFIT_CONTEXT_ALLOWANCE_GIB,
+                     "assumed, not measured")
+    full_trainer = MemoryLine("trainer weights loaded back (base + adapters)", base_gib + lora_gib,
+                              "load_frozen_params=True")
+    receive, base_sync = [], []
+    if lora is not None and not layout.lora_merge:
+        receive = [MemoryLine("vLLM weights + LoRA slot (resumed)", roll_weights),
+                   MemoryLine("trainer adapters loaded back" if layout.param_offload else
+                              "trainer weights + grads (not offloaded)",
+                              lora_gib if layout.param_offload else params_grads),
+                   MemoryLine("received adapter tensors, kept until the last bucket", adapter_elems * wb / GIB,
+                              "every exported tensor, shared expert adapter under all expert names"),
+                   MemoryLine("transfer bucket (CUDA IPC)", bucket, f"update_weights_bucket_megabytes="
+                                                                    f"{layout.refit_bucket_mib}"), ctx]
+        base_sync = [MemoryLine("vLLM weights + LoRA slot (resumed)", roll_weights), full_trainer,
+                     MemoryLine("transfer bucket (CUDA IPC)", bucket), ctx]
+    else:  # merged or full weights every step: applied bucket by bucket, nothing accumulates
+        receive = [MemoryLine("vLLM weights (resumed)", roll_weights), full_trainer,
+                   MemoryLine("transfer bucket (CUDA IPC)", bucket), ctx]
+    if optim_on_gpu:
+        for lines in (receive, base_sync):
+            if lines:
+                lines.insert(2, MemoryLine("optimizer states (not offloaded)", optim_on_gpu))
+
     problems = []
+    for what, lines in (("refit (every step)", receive), ("refit base sync (once)", base_sync)):
+        need = sum(x.gib for x in lines)
+        if lines and need > layout.gpu_mem_gib:
+            problems.append(f"{what} needs {need:.1f} GiB on each rollout GPU ({', '.join(f'{x.name} {x.gib:.1f}' for x in lines)}) "
+                            f"but the GPU has {layout.gpu_mem_gib:.0f} GiB (over by {need - layout.gpu_mem_gib:.1f} GiB)")
     if resident + budget > layout.gpu_mem_gib:
         problems.append(f"colocated rollout: trainer keeps {resident:.1f} GiB resident (param_offload="
                         f"{layout.param_offload}, optimizer_offload={layout.optimizer_offload}) plus vLLM's "
                         f"{budget:.1f} GiB exceeds {layout.gpu_mem_gib:.0f} GiB "
                         f"(over by {resident + budget - layout.gpu_mem_gib:.1f} GiB)")
     if layout.host_mem_gib is not None and host > layout.host_mem_gib:
-        problems.append(f"offloaded params/grads/optimizer need {host:.0f} GiB host RAM per node, the node has "
+        problems.append(f"offloaded params/grads/optimizer and vLLM's sleep copy need {host:.0f} GiB host RAM per "
+                        f"node, the node has "
                         f"{layout.host_mem_gib:.0f} GiB (over by {host - layout.host_mem_gib:.0f} GiB)")
     trainer_total = sum(x.gib for x in trainer)
     if trainer_total > layout.gpu_mem_gib:
@@ -522,7 +588,7 @@ def plan(cfg: dict, layout: Layout) -> Plan:
                 trace_tokens_per_step=tokens_step, trace_packed_bytes=packed, trace_int16_bytes=int16,
                 trace_bits_per_token=bits, rollout_kv_tokens=kv_tokens,
                 trainer_resident_during_rollout_gib=resident, host_offload_gib_per_node=host,
-                problems=problems)
+                problems=problems, refit_receive=receive, refit_base_sync=base_sync)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,26 @@ def machine_info() -> dict:
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
 
 
+def wandb_sync_command(run_dir: Path) -> str | None:
+    """The one ``wandb sync`` command that uploads every offline wandb directory of a run as one wandb run.
+
+    A resumed run keeps its wandb id (``wandb_id.txt``) but offline wandb starts a new directory per process
+    (``wandb/offline-run-<time>-<id>``); ``wandb sync --id <id>`` syncs them in order of start time into
+    that one run. None when the run has no offline wandb directory."""
+    import shlex
+
+    run_dir = Path(run_dir)
+    id_file = run_dir / "wandb_id.txt"
+    if not id_file.exists():
+        return None
+    run_id = id_file.read_text().strip()
+    dirs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    if not dirs:
+        return None
+    paths = " ".join(shlex.quote(str(d)) for d in dirs)
+    return f"wandb sync {paths}" if len(dirs) == 1 else f"wandb sync --id {run_id} {paths}"
+
+
 class RunMismatchError(RuntimeError):
     """A run directory that holds a run of another config than the one asked for."""
 
@@ -123,7 +143,7 @@ def git_sha() -> str:
                              cwd=Path(__file__).parent).stdout.strip()
         # "-dirty" when code or configs that shape a run differ from the commit (docs do not count).
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/src", ":/experiments",
-                                ":/scripts/run.py", ":/scripts/sweep.py", ":/requirements.txt"],
+                                ":/scripts/run.py", ":/scripts/sweep.py", ":/requirements/cpu.txt"],
                                capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

@@ -130,10 +130,10 @@ def test_geometry_and_memory_of_the_ladder(tokenizer):
 
 
 def test_device_wheels_are_the_repositorys_pins():
-    wheels = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements-device.txt").read_text(),
+    wheels = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/device.txt").read_text(),
                              re.M))
-    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements.txt").read_text(), re.M))
-    cluster = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements-gpu.txt").read_text(),
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/cpu.txt").read_text(), re.M))
+    cluster = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9][\w.]*)", (ROOT / "requirements/gpu.txt").read_text(),
                               re.M))
     # megatron-core travels at the cluster's pin (the router-replay check), not the CPU suite's
     assert wheels["megatron-core"] == cluster["megatron-core"]
@@ -176,7 +176,7 @@ def test_a_point_out_of_memory_is_recorded_and_the_next_one_runs(tmp_path, monke
 def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_ladder(tmp_path):
     """RESULTS.md and the 06 README read the GPU points through one table: the CPU's trained width ladder
     first, then the GPU's points as one width ladder per SFT length; the real-width line compares the
-    widest point with the CPU's SFT length (400); one line per GPU call; no GPU folder is one line."""
+    widest point with the CPU's SFT length (400); one line per GPU run; no GPU folder is one line."""
     from moerl.analysis.geometry_claims import gpu_width_lines
     lines = gpu_width_lines(ROOT / "results" / "geometry")
     rows = [line for line in lines if line.startswith("| `")]
@@ -188,7 +188,7 @@ def test_the_report_table_puts_the_recorded_gpu_points_beside_the_cpus_trained_l
     share = recorded["results"]["bf16"]["all/share"]
     assert f"| {share:.1%} [" in rows[-1] and f"| NVIDIA H200, native | 2048 | 128 | 400 | {recorded['policy']['warm_start']['test_accuracy']['pass1']:.3f} |" in rows[-1]
     assert "| CPU, emulated | 256 | 128 | 400 | 0.074 |" in rows[2]
-    calls = [line for line in lines if line.startswith("GPU call `")]
+    calls = [line for line in lines if line.startswith("GPU run `")]
     assert [c.split("`")[1] for c in calls] == ["run_warm100.json", "run_warm400_h2048.json", "run_warm400_h256.json"]
     assert "chosen by the time guard" in calls[0] and "set by --sft-steps" in calls[1]
     verdict = [line for line in lines if line.startswith("At Qwen3-30B-A3B's real width (hidden 2048)")]

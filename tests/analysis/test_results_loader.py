@@ -119,6 +119,21 @@ def test_load_refit(tmp_path):
         load_refit(tmp_path)
 
 
+def _arm_cells(text: str) -> dict[str, dict[str, str]]:
+    """arm -> column -> cell over every per-arm table of RESULTS.md (the columns are split over three tables)."""
+    out: dict[str, dict[str, str]] = {}
+    header = None
+    for line in text.splitlines():
+        if line.startswith("| arm | seeds |"):
+            header = [h.strip() for h in line.strip("|").split(" | ")]
+        elif header and line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            out.setdefault(cells[0], {}).update(zip(header, cells))
+        elif not line.startswith("|"):
+            header = None
+    return out
+
+
 def test_write_results_table(tmp_path):
     out = tmp_path / "RESULTS.md"
     proc = _script("write_results.py", str(FIXTURE / EXP), "--out", str(out))
@@ -126,8 +141,9 @@ def test_write_results_table(tmp_path):
     text = out.read_text()
     sha = (FIXTURE / EXP / "r3" / "seed0" / "git_sha.txt").read_text().strip()
     assert sha in text and "total sweep wall time: 2.3 min" in text
-    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
-    assert set(rows) >= {"arm", "baseline", "r3", "deepseek_r3"}
+    cells = _arm_cells(text)
+    rows = {arm: " | ".join(v.values()) for arm, v in cells.items()}
+    assert set(rows) >= {"baseline", "r3", "deepseek_r3"}
     # k3 of r3 (mean over steps, then over seeds) as computed independently from metrics.jsonl
     k3 = []
     for seed in (0, 1):
@@ -202,10 +218,8 @@ def test_run_table_k3_median_all_layer_agreement_and_is_level(tmp_path):
     out = tmp_path / "R.md"
     proc = _script("write_results.py", str(tmp_path / "exp"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    lines = out.read_text().splitlines()
-    header = next(line for line in lines if line.startswith("| arm |")).split(" | ")
-    cells = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
-    col = {h.strip("| "): i for i, h in enumerate(header)}
+    cells = _arm_cells(out.read_text())
+    col = {name: name for name in next(iter(cells.values()))}
     assert cells["baseline"][col["k3 KL (run median)"]] == "1.00e-04"
     assert cells["baseline"][col["tokens agreeing in all layers"]] == "0.8000"
     assert cells["baseline"][col["routing agreement, mean over layers"]] == "0.9700"

@@ -104,5 +104,5 @@ def test_engine_without_vllm_says_what_to_install():
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass
-    with pytest.raises(ImportError, match="requirements-gpu.txt"):
+    with pytest.raises(ImportError, match="requirements/gpu.txt"):
         V.VLLMEngine("/m", None, RolloutConfig(), None, "qwen3_moe", 8, 2, (0,), 1)

@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements.txt)")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements/cpu.txt)")
 pytest.importorskip("verl.utils.megatron.router_replay_utils", reason="verl is not installed")
 
 from megatron_harness import megatron_on_cpu  # noqa: E402

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements.txt)")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements/cpu.txt)")
 pytest.importorskip("verl.utils.megatron.router_replay_utils", reason="verl is not installed")
 
 from megatron_harness import (MOE_LAYER_FREQ, NUM_EXPERTS, NUM_LAYERS, TOP_K, VOCAB,  # noqa: E402

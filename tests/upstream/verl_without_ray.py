@@ -1,6 +1,6 @@
-"""Import verl's router-replay modules where Ray is absent (a lent GPU machine, which has no network).
+"""Import verl's router-replay modules where Ray is absent (a GPU machine set up offline from .whl/).
 
-Ray's cp312 wheel is 79 MB, more than a GPU call may carry (64 MiB with the repository), and the replay
+Ray's cp312 wheel is 79 MB, left out of the pinned wheels the GPU checks install, and the replay
 path never calls it: ``verl/__init__.py`` imports it through ``verl.protocol`` (``DataProto``), and
 ``verl/models/mcore/__init__.py`` through its model registry (``megatron_utils`` -> ``workers.config`` ->
 ``profiler`` -> ``single_controller``). ``install()`` registers those two packages with their search path
@@ -39,7 +39,7 @@ def install() -> None:
             raise ImportError(f"{name} is already imported with its __init__; install() must run first")
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("verl is not installed (requirements-device.txt)")
+        raise ImportError("verl is not installed (requirements/device.txt)")
     root = list(spec.submodule_search_locations)[0]
     for name in SKIPPED_INITS:
         path = os.path.join(root, *name.split(".")[1:])

@@ -39,7 +39,7 @@ def bf16_weights(seed: int, out: int = 256, inp: int = 1024, std: float = 0.02) 
 def test_compressed_tensors_is_the_cluster_vllms_pin():
     import compressed_tensors
 
-    assert compressed_tensors.__version__ == "0.17.0"  # required by vLLM 0.24.0 (requirements-gpu.txt) too
+    assert compressed_tensors.__version__ == "0.17.0"  # required by vLLM 0.24.0 (requirements/gpu.txt) too
 
 
 def test_fp8_is_compressed_tensors_channel_fp8_bit_for_bit():

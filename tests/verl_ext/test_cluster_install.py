@@ -1,4 +1,4 @@
-"""The cluster install path: requirements-gpu.txt, the Dockerfile, the sbatch template, the
+"""The cluster install path: requirements/gpu.txt, the Dockerfile, the sbatch template, the
 launch scripts and scripts/check_cluster_env.py agree with one another and fail with a fix."""
 import re
 import sys
@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import check_cluster_env as cce  # noqa: E402
 
-REQ = (REPO / "requirements-gpu.txt").read_text()
+REQ = (REPO / "requirements/gpu.txt").read_text()
 DOCKER = (REPO / "docker" / "Dockerfile").read_text()
 SBATCH = (REPO / "scripts" / "slurm_verl.sbatch").read_text()
 
@@ -77,8 +77,21 @@ def test_check_cluster_env_names_the_fix(tmp_path, capsys):
     res = {r.name: r for r in cce.check_pins(req)}
     assert res["pin:pyyaml"].ok
     assert not res["pin:verl"].ok and "pinned 0.0.1" in res["pin:verl"].detail
-    assert "fix: pip install -r req.txt" in res["pin:verl"].line()
+    assert f"fix: pip install -r {req}" in res["pin:verl"].line()  # outside the checkout: the full path
+    repo_pins = {r.name: r for r in cce.check_pins(REPO / "requirements" / "gpu.txt")}
+    assert all("pip install -r requirements/gpu.txt" in r.line() for r in repo_pins.values() if not r.ok)
     plugin = {r.name: r for r in cce.check_moerl_plugin()}
     assert plugin["moerl.installed"].ok and plugin["moerl.losses"].ok and plugin["moerl.reward_fn"].ok
     assert cce.main(["--requirements", str(req), "--no-cuda"]) == 1  # verl 0.0.1 is not installed here
     assert "FAIL [pin:verl]" in capsys.readouterr().out
+
+
+def test_transformer_engines_runtime_requirements_resolve_with_the_rest():
+    """TE's setup_requirements + build_tools/pytorch.py install_requirements are resolver lines, and the
+    [megatron] extra's apex / nvidia-mathdx are explained rather than silently missing."""
+    lines = {re.split(r"[=<>\[ ]", x.split("#")[0].strip())[0].lower() for x in REQ.splitlines()
+             if x.split("#")[0].strip()}
+    assert {"pydantic", "importlib-metadata", "onnxscript", "onnx", "nvdlfw-inspect", "nvidia-cudnn-frontend",
+            "einops"} <= lines
+    assert "apex" not in lines and "nvidia-mathdx" not in lines
+    assert "build-pytorch-wheel/build.sh:14" in REQ and "not NVIDIA Apex" in REQ

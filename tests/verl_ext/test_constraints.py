@@ -132,7 +132,7 @@ def _specs():
 
 
 def test_megatron_rules_agree_under_the_clusters_megatron_core():
-    """The same rules under Megatron-Core 0.19.2 (the requirements-gpu.txt pin), run in a separate
+    """The same rules under Megatron-Core 0.19.2 (the requirements/gpu.txt pin), run in a separate
     process on the wheel unpacked by scripts/setup_upstream_mcore.sh; skipped where it is absent."""
     import json
     import os

@@ -271,3 +271,19 @@ def test_experiment_gives_family_and_r3_mode_and_wandb_runs_are_read():
 
 def test_unreadable_run_exits_2(tmp_path):
     assert cli.main([str(tmp_path / "missing.jsonl"), "--family", "qwen3_moe"]) == 2
+
+
+def test_a_moved_expert_bias_beside_the_refit_log_fails_the_run(tmp_path, capsys):
+    """The trainer's expert-bias side log (X.expert_bias.jsonl beside X.refit.jsonl) is read by itself."""
+    import json
+
+    run = _write_jsonl(tmp_path / "run.jsonl", _gpu_log(1e-6, False))
+    _side_log(tmp_path / "run.refit.jsonl")
+    bias = tmp_path / "run.expert_bias.jsonl"
+    bias.write_text("".join(json.dumps({"call": c, "rank": r, "routers": 3, "max_abs_drift": 0.0}) + "\n"
+                            for c in (1, 2) for r in (0, 1)))
+    assert cli.main([str(run), "--family", "qwen3_moe", "--floor", "2e-3"]) == 0
+    assert "ok   [expert_bias_frozen]" in capsys.readouterr().out
+    bias.write_text(bias.read_text() + json.dumps({"call": 3, "rank": 1, "routers": 3, "max_abs_drift": 1e-3}) + "\n")
+    assert cli.main([str(run), "--family", "qwen3_moe", "--floor", "2e-3"]) == 1
+    assert "FAIL [expert_bias_frozen] rank 1's router expert bias moved 0.001" in capsys.readouterr().out

@@ -158,6 +158,13 @@ def test_a_launch_moves_earlier_rows_aside_before_verl_truncates_its_file_log(mo
 
     monkeypatch.setenv("MOERL_REPO", str(tmp_path))
     monkeypatch.setenv("MOERL_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    # a launch needs the model and data where it starts (rule paths.exist_where_the_job_runs)
+    monkeypatch.setenv("MOERL_CKPT", str(tmp_path / "models"))
+    monkeypatch.setenv("MOERL_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "models" / "tiny_moonlight").mkdir(parents=True)
+    (tmp_path / "data" / "math").mkdir(parents=True)
+    for split in ("train", "test"):
+        (tmp_path / "data" / "math" / f"{split}.parquet").write_bytes(b"")
     folder = tmp_path / "logs" / "bringup"
     folder.mkdir(parents=True)
     (folder / "04_rung1_seed0.jsonl").write_bytes(ROWS)

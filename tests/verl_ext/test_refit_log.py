@@ -155,6 +155,9 @@ def test_install_points_verls_registry_at_the_logged_adapter(tmp_path, monkeypat
     from verl.workers.rollout import base
 
     monkeypatch.setattr(base, "_ROLLOUT_REGISTRY", dict(base._ROLLOUT_REGISTRY))
+    import megatron.core.distributed as mcd
+
+    monkeypatch.setattr(mcd, "finalize_model_grads", mcd.finalize_model_grads)  # restored after the test
     monkeypatch.delenv(refit_log.ENV_PATH, raising=False)
     assert refit_log.install() is False
     assert base._ROLLOUT_REGISTRY[refit_log.REGISTRY_KEY] == refit_log.UPSTREAM  # nothing changed
@@ -167,6 +170,8 @@ def test_install_points_verls_registry_at_the_logged_adapter(tmp_path, monkeypat
     cls = base.get_rollout_class("vllm", "async")
     assert cls.__name__ == "LoggedVLLMServerAdapter" and issubclass(cls, FakeAdapter)
     assert refit_log.install() is True  # a second import changes nothing
+    # the trainer's expert-bias side log is installed with it, once, beside the refit side log
+    assert mcd.finalize_model_grads.moerl_wrapped.__module__ == "megatron.core.distributed.finalize_model_grads"
 
     blocked = tmp_path / "a_file"
     blocked.write_text("")

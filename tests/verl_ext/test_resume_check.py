@@ -48,6 +48,11 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setenv("MOERL_CKPT", str(tmp_path / "models"))
     monkeypatch.setenv("MOERL_REPO", str(tmp_path))
     monkeypatch.setenv("MOERL_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    # a launch needs its data where it starts (rule paths.exist_where_the_job_runs)
+    monkeypatch.setenv("MOERL_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "data" / "math").mkdir(parents=True)
+    for split in ("train", "test"):
+        (tmp_path / "data" / "math" / f"{split}.parquet").write_bytes(b"")
     run_dir = tmp_path / "ckpt" / "moerl" / "04_rung1_seed0"
     calls = []
 

@@ -136,3 +136,26 @@ def test_a_node_with_only_a_loopback_address_is_named_before_ray_starts(tmp_path
     proc, log = _run(tmp_path, FAKE_HOSTNAME="only_loopback")
     assert proc.returncode != 0 and "node nodeA has no IPv4 address outside 127.0.0.0/8" in proc.stderr
     assert "ray start" not in log
+
+
+def test_the_container_binds_model_data_checkpoint_and_log_dirs(tmp_path):
+    """Apptainer shows only $PWD by default: every directory the run reads or writes is bound at its own path."""
+    lustre = tmp_path.parent / f"{tmp_path.name}_lustre"  # outside $PWD, which is bound anyway
+    dirs = {v: lustre / v.lower() for v in ("MOERL_DATA_DIR", "MOERL_CHECKPOINT_DIR", "MOERL_LOG_DIR",
+                                                           "QWEN3_30B_A3B_PATH")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    proc, log = _run(tmp_path, MOERL_CONTAINER=str(tmp_path / "moerl.sif"), MOERL_BINDS="/dev/infiniband",
+                     PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",  # no venv to activate in a container
+                     **{k: str(v) for k, v in dirs.items()})
+    bound = [line for line in log.splitlines() if "apptainer exec --nv --bind" in line]
+    assert bound, proc.stderr + log
+    binds = bound[0].split("--bind ", 1)[1].split()[0].split(",")
+    assert set(binds) >= {str(tmp_path.resolve()), "/dev/infiniband", *(str(d.resolve()) for d in dirs.values())}
+
+
+def test_a_bind_that_does_not_exist_stops_the_job_before_any_node_is_touched(tmp_path):
+    proc, log = _run(tmp_path, MOERL_CONTAINER=str(tmp_path / "moerl.sif"), KIMI_K2_PATH="/lustre/nowhere/kimi")
+    assert proc.returncode == 1
+    assert "KIMI_K2_PATH=/lustre/nowhere/kimi does not exist" in proc.stderr
+    assert "srun" not in log

@@ -54,8 +54,8 @@ def test_known_good_verl_launch_dry_run_passes(path, capsys, monkeypatch):
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
 def test_known_bad_is_rejected_by_its_rule(path):
     want = _data(path)["moerl"]["expect_rule"]
-    with pytest.raises(launch.ConstraintError) as err:
-        launch.prepare(path)
+    with pytest.raises(launch.ConstraintError) as err:  # moerl.launching: judged as a launch, not a dry run
+        launch.prepare(path, launching=bool(_data(path)["moerl"].get("launching")))
     line = next((x for x in str(err.value).splitlines() if x.strip().startswith(f"[{want}]")), None)
     assert line is not None, f"{want} not among:\n{err.value}"
     assert "source:" in line

@@ -340,7 +340,7 @@ def timing_line(geometry: str | Path) -> str:
 def gpu_width_lines(geometry) -> list[str]:
     """The GPU width points (scripts/gpu_width_geometry.py) beside the CPU's trained point at the same
     geometry, so the width trend, the SFT length's and the device's effects read from one table; then
-    what they measure, in numbers computed here (no rule judges these points), and one line per GPU call."""
+    what they measure, in numbers computed here (no rule judges these points), and one line per GPU run."""
     gpu_dir = Path(geometry) / "gpu"
     if not any(gpu_dir.glob("gpu_*.json")):
         return [f"No GPU point is recorded under `{gpu_dir}` (scripts/gpu_width_geometry.py writes them)."]
@@ -414,7 +414,7 @@ def gpu_measured_lines(cpu: pd.DataFrame, gpu: pd.DataFrame) -> list[str]:
 
 
 def gpu_call_lines(gpu_dir: Path) -> list[str]:
-    """One line per recorded GPU call (its run*.json): device, versions, SFT length and how it was set."""
+    """One line per recorded GPU run (its run*.json): device, versions, SFT length and how it was set."""
     out = []
     for path in sorted(gpu_dir.glob("run*.json")):
         run = json.loads(path.read_text())
@@ -422,7 +422,7 @@ def gpu_call_lines(gpu_dir: Path) -> list[str]:
         how = (f"chosen by the time guard ({run['calibration']['seconds_per_sft_step_at_widest']:.2f} s a step at "
                f"hidden {max(run.get('widths', [0]))})" if "calibration" in run else "set by --sft-steps")
         names = ", ".join(f"`{p['name']}`" for p in run.get("points", []))
-        out.append(f"GPU call `{path.name}`: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "
+        out.append(f"GPU run `{path.name}`: {dev.get('name')}, torch {dev.get('torch')}, CUDA {dev.get('cuda')}, TF32 "
                    f"{'on' if dev.get('tf32_matmul') else 'off'} for the fp32 trainer; {run.get('sft_steps')} SFT steps "
                    f"{how}; {run.get('seconds_total', 0):.0f} s for {names or 'no point'}.")
     return [line for pair in zip(out, [""] * len(out)) for line in pair][:-1]

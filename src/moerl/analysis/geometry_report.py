@@ -133,7 +133,7 @@ def gpu_reference_point(gpu: pd.DataFrame) -> pd.Series:
 
 
 def default_sft(points: pd.DataFrame) -> pd.DataFrame:
-    """The points whose SFT ran from the data seed (every CPU point; a GPU call without --sft-seed)."""
+    """The points whose SFT ran from the data seed (every CPU point; a GPU run without --sft-seed)."""
     return points[points.sft_seed.isna()] if "sft_seed" in points else points
 
 
@@ -290,7 +290,8 @@ def figure_ladders(df: pd.DataFrame):
             bot.plot(xs, p, "-", color="C2", label="fit p ~ x^b (log-log)")
             bot.text(0.05, 0.9, f"b = {f['b']:+.3f} ± {math.sqrt(f['cov'][1][1]):.1g}", transform=bot.transAxes,
                      fontsize=8, color="C2")
-            top.plot(xs, 1 - (1 - np.minimum(p, 1)) ** L, "-", color="C2", label="fit, by independence")
+            # its own colour: the share this fit implies, not a second fit of the same kind as the one below
+            top.plot(xs, 1 - (1 - np.minimum(p, 1)) ** L, "-", color="C4", label="share implied by the p_l fit (independence)")
         top.axhline(PAPER_SHARE, color="k", ls="--", lw=1, label="R3 paper, Qwen3-30B-A3B: 94 %")
         top.set_xscale("log")
         bot.set_xscale("log")
@@ -305,21 +306,22 @@ def figure_ladders(df: pd.DataFrame):
     # the cluster geometries, measured at hidden 64, on the depth panel (x = their MoE layers)
     ax = axes[0, 0]
     legend_lines = []
-    for _, r in preds.iterrows():
+    for i, (_, r) in enumerate(preds.iterrows()):
         if "measured_share" in r and r.measured_share == r.measured_share:
             tag = r.model[0]  # Q, M, D, K
             ax.plot(r.L, r.measured_share, "s", color="C3", ms=5)
-            ax.annotate(tag, (r.L, r.measured_share), fontsize=7, color="C3", xytext=(3, -10),
+            # neighbours (DeepSeek-V3 at 58 layers, Kimi-K2 at 60) alternate above and below their point
+            ax.annotate(tag, (r.L, r.measured_share), fontsize=7, color="C3", xytext=(3, -11 if i % 2 else 4),
                         textcoords="offset points")
             legend_lines.append(f"{tag}: {r.model} ({r.L} MoE x {r.E}, top-{r.k}) {100 * r.measured_share:.1f} %")
     ax.text(0.97, 0.04, "\n".join(legend_lines), transform=ax.transAxes, fontsize=6.5, color="C3", ha="right",
             va="bottom")
     ax.plot([], [], "s", color="C3", label="cluster geometries at h64 (measured)")
-    for point in ANCHORS["sft"]:
+    for i, point in enumerate(ANCHORS["sft"]):
         r = point_row(df, point)
         if r is not None:
             ax.plot(r.L, r.share, "D", color="C5", ms=6)
-            ax.annotate(point.replace("state_", ""), (r.L, r.share), fontsize=6.5, xytext=(6, -3),
+            ax.annotate(point.replace("state_", ""), (r.L, r.share), fontsize=6.5, xytext=(6, 3 if i % 2 == 0 else -9),
                         textcoords="offset points", color="C5")
     ax.plot([], [], "D", color="C5", label="base geometry after a short SFT (measured)")
     sft = sft_depth(df)

@@ -233,8 +233,13 @@ def tau_curve(df: pd.DataFrame, title: str, arms: list[str] | None = None, paper
                 ax.plot(taus, scaled, ls="--", lw=1.0, color=arm_color(arm),
                         label=f"{arm} × {float(ref['scale']):g}: {ref.get('label', 'source')}")
     ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=(floor or 1e-6) / 2)  # an arm with no extreme token sits at 0
+    linthresh = (floor or 1e-6) / 2
+    ax.set_yscale("symlog", linthresh=linthresh)  # an arm with no extreme token sits at 0
     ax.set_ylim(bottom=0)
+    # 0, then powers of ten above the linear stretch only: a tick inside it would sit on top of 0's
+    first = int(np.ceil(np.log10(linthresh)))
+    ax.set_yticks([0.0] + [10.0 ** k for k in range(first, 1)])
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xticks(taus, [f"{t:g}" for t in taus])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tau")
@@ -269,7 +274,8 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
     (per-step k3 is heavy-tailed); line = geometric mean over seeds, band = min-max. One panel per
     ``{title, arms}`` of ``panels``. An arm at the numerical floor (fp32 rollout, below FLOOR_RATIO
     of its baseline) is named in a note rather than drawn: it would stretch the axis by decades."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.3 * len(panels), 6.4), 3.6), squeeze=False, sharey=True)
+    # Each panel its own ratio axis: a broken arm at 1000x would otherwise flatten the corrections near 1x.
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.3 * len(panels), 6.4), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         notes = []
         for arm in panel["arms"]:
@@ -299,10 +305,13 @@ def relative_curves(df: pd.DataFrame, key: str, panels: list[dict], references: 
         ax.set_title(panel.get("title", ""), fontsize=9)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
-        if notes:
-            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="bottom")
-        if ax.get_legend_handles_labels()[0]:  # a panel whose only arm sits at the floor has no line
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, frameon=False)
+        low, high = ax.get_ylim()
+        if high / max(low, 1e-300) > 100:  # over more than two decades the minor labels (0.2×, 0.3×, ...) collide
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        for note in notes:  # in the legend under the panel, not over the curves or past the axes
+            ax.plot([], [], " ", label=note)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=1, frameon=False)
     axes[0][0].set_ylabel(f"{METRIC_LABELS.get(key, key)}\n÷ same family's baseline, same seed", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -487,11 +496,10 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
                    references: dict[str, str] | None = None) -> plt.Figure:
     """The headline: how much does each arm change the mismatch? Left, k3 relative to its own model
     family's baseline on the same seed (bar = median over seeds, whisker = min-max; ``references``:
-    arm -> baseline arm, default moerl.analysis.results.family_references); right, per-layer routing
-    agreement averaged over MoE layers, beside the share of replayed rows that took the trace's
-    experts, on an axis zoomed to the arms that agree (an arm far below is clipped and labelled).
+    arm -> baseline arm, default moerl.analysis.results.family_references); right, the share of tokens
+    routed alike in every MoE layer (the README's and RESULTS.md's routing column), mean over seeds with
+    their range, on an axis zoomed to the arms that agree and ending at 1 (an arm far below is labelled).
     Arms are grouped by family under a heading naming the family's baseline."""
-    from matplotlib.patches import Patch
 
     from moerl.analysis.results import family_references
 
@@ -531,9 +539,10 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
         if r["mean"] <= 1e-3:
             ax_k3.text(left * 1.05, pos[arm], f"{r['mean']:.1g}× (numerical floor)", va="center", fontsize=7)
             continue
-        ax_k3.barh(pos[arm], r["mean"], color=arm_color(arm), height=0.7)
+        # a dot at the median and the seeds' range: a bar on a log axis would start at an arbitrary edge
         if r["n"] > 1:
             ax_k3.plot([r["lo"], r["hi"]], [pos[arm]] * 2, color="k", lw=1)
+        ax_k3.plot([r["mean"]], [pos[arm]], "o", color=arm_color(arm), markeredgecolor="k", markersize=7)
         ax_k3.text(max(r["mean"], r["hi"] if r["n"] > 1 else 0) * 1.08, pos[arm], f"{r['mean']:.2g}×",
                    va="center", fontsize=7)
     ax_k3.set_xscale("log")  # first: setting the scale resets the axis' locators and formatters
@@ -555,36 +564,37 @@ def summary_figure(runs: pd.DataFrame, title: str, questions: list[Question] | N
             tick.set_fontweight("bold")
             tick.set_fontsize(8.5)
 
-    legend, native = [], None
-    for key, offset, label, hatch in (("mean/routing/agreement", -0.18,
-                                       "trainer's native top-k = rollout's (per layer, mean over MoE layers)", None),
-                                      ("mean/routing/replayed_agreement", 0.18,
-                                       "replayed rows took the trace's experts (R2/R3)", "///")):
-        if key not in runs:
-            continue
-        vals = pd.to_numeric(runs[key], errors="coerce").groupby(runs["arm"]).mean().reindex(order)
-        if native is None:
-            native = vals
-        ax_route.barh([pos[a] + offset for a in order], vals.values, height=0.34,
-                      color=[arm_color(a) for a in order], hatch=hatch, edgecolor="k", lw=0.3)
-        legend.append(Patch(facecolor="white", edgecolor="k", hatch=hatch, label=label))
-    finite = native.dropna() if native is not None else pd.Series(dtype=float)
-    # Zoom to the arms near full agreement, so 0.974 vs 0.981 reads; an arm far below is labelled.
+    # The README's and RESULTS.md's routing column: the share of tokens routed alike in every MoE layer.
+    key = "mean/routing/all_layers_agree"
+    if key not in runs and "mean/routing/any_layer_differs" in runs:
+        runs = runs.assign(**{key: 1 - pd.to_numeric(runs["mean/routing/any_layer_differs"], errors="coerce")})
+    finite = pd.Series(dtype=float)
+    if key in runs:
+        per_run = pd.to_numeric(runs[key], errors="coerce")
+        vals = per_run.groupby(runs["arm"]).mean().reindex(order)
+        finite = vals.dropna()
+        seeds = per_run.groupby(runs["arm"]).agg(["min", "max"]).reindex(order)
+    # Zoom to the arms near full agreement, so 0.974 vs 0.981 reads; an arm far below is labelled; the axis
+    # ends at 1 (a share).
     if not finite.empty:
         med = float(finite.median())
         kept = finite[finite >= 1 - 4 * max(1 - med, 1e-4)]
-        low = float(kept.min()) - 0.15 * (1 - float(kept.min()) + 1e-4)
+        low = float(kept.min()) - 0.35 * (1 - float(kept.min()) + 1e-4)
         for arm, v in finite.items():
-            ax_route.text(v + 0.01 * (1 - low) if v >= low else low, pos[arm] - 0.18,
-                          f"{v:.4f}" if v >= low else f"← {v:.3f} (off axis)", va="center", fontsize=6.5,
-                          color="k" if v >= low else "C3")
+            if v >= low:
+                lo, hi = seeds.loc[arm, "min"], seeds.loc[arm, "max"]
+                ax_route.plot([lo, hi], [pos[arm]] * 2, color="k", lw=1, clip_on=False)
+                ax_route.plot([v], [pos[arm]], "o", color=arm_color(arm), markeredgecolor="k", markersize=7,
+                              clip_on=False)
+                ax_route.text(min(lo, v) - 0.02 * (1 - low), pos[arm], f"{v:.4f}", va="center", ha="right",
+                              fontsize=7)
+            else:
+                ax_route.text(low + 0.01 * (1 - low), pos[arm], f"← {v:.3f} (off axis)", va="center", fontsize=6.5,
+                              color="C3")
     else:
         low = 0.9
-    ax_route.set_xlim(low, 1.0 + 0.25 * (1 - low))
-    ax_route.axvline(1.0, color="k", lw=0.6)
-    ax_route.set_xlabel("share of tokens (routing), zoomed", fontsize=9)
-    ax_route.legend(handles=legend, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=1,
-                    frameon=False)
+    ax_route.set_xlim(low, 1.0)
+    ax_route.set_xlabel("tokens routed alike in every MoE layer\n(mean over seeds, range; zoomed)", fontsize=9)
     for ax in (ax_k3, ax_route):
         ax.grid(alpha=0.3, axis="x")
         for (kind, _), yy in zip(rows, y):

@@ -56,6 +56,18 @@ COLUMNS = [
 ]
 
 
+# The per-arm columns in three tables of at most eight columns (with arm and seeds): what GRPO learned,
+# the mismatch and routing, what the corrections touched.
+TABLES = [
+    ("Held-out accuracy", ["final_eval/eval/greedy", "gain", "final_eval/eval/pass1", "initial_eval/eval/pass1",
+                           "gain_pass1"]),
+    ("Mismatch and routing", ["median/mismatch/k3", "k3_vs_family", "mean/mismatch/k3", "mean/routing/agreement",
+                              "mean/routing/all_layers_agree", "mean/routing/replayed_agreement"]),
+    ("Corrections and cost", ["mean/clip/frac", "mean/mask/token_frac", "mean/is/truncated_frac", "is_p99_token",
+                              "is_p99_seq", "wall"]),
+]
+
+
 def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.copy()
     if {"final_eval/eval/greedy", "initial_eval/eval/greedy"} <= set(runs.columns):
@@ -134,21 +146,26 @@ def render(exp_dir: Path, runs: pd.DataFrame, sweep: dict | None, figures: str |
                   claims.claims_markdown(answered), "",
                   "Collapse step of each run (— : no collapse within the run):", "", claims.collapse_markdown(metrics)]
     lines += ["", "Mean ± std over seeds (std with ddof 1; a single value where only one seed finished), except "
-              "**k3 vs family baseline** (median and range over seeds of per-seed ratios).", ""]
-    header = ["arm", "seeds"] + [h for _, h, _, _ in COLUMNS]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+              "**k3 vs family baseline** (median and range over seeds of per-seed ratios). Three tables of the same "
+              "arms, so none is wider than eight columns.", ""]
     ratios = family_ratio_cells(runs)
-    for arm in stats.index:
-        cells = [arm, str(int(seeds.get(arm, 0)))]
-        for col, _, fmt, _ in COLUMNS:
-            if col == "k3_vs_family":
-                cells.append(ratios.get(arm, "n/a"))
-            elif col in stats.columns.get_level_values(0):
-                m, s, n = stats.loc[arm, (col, "mean")], stats.loc[arm, (col, "std")], stats.loc[arm, (col, "n")]
-                cells.append(mean_std(m, s, int(n), fmt))
-            else:
-                cells.append("n/a")
-        lines.append("| " + " | ".join(cells) + " |")
+    by_key = {c[0]: c for c in COLUMNS}
+    for title, keys in TABLES:
+        cols = [by_key[k] for k in keys]
+        header = ["arm", "seeds"] + [h for _, h, _, _ in cols]
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for arm in stats.index:
+            cells = [arm, str(int(seeds.get(arm, 0)))]
+            for col, _, fmt, _ in cols:
+                if col == "k3_vs_family":
+                    cells.append(ratios.get(arm, "n/a"))
+                elif col in stats.columns.get_level_values(0):
+                    m, s, n = stats.loc[arm, (col, "mean")], stats.loc[arm, (col, "std")], stats.loc[arm, (col, "n")]
+                    cells.append(mean_std(m, s, int(n), fmt))
+                else:
+                    cells.append("n/a")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
     lines += ["", "Columns:", ""] + [f"- **{h}**: {d}" for _, h, _, d in COLUMNS] + [""]
     return "\n".join(lines)
 

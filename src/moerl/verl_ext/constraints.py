@@ -371,7 +371,7 @@ def _vllm_routed(spec):
     ver = tuple(int(x) for x in re.findall(r"\d+", str(r.get("vllm_version", "0")))[:3])
     if ver < R3_MIN_VLLM:
         raise Broken(f"R3 needs vLLM >= {'.'.join(map(str, R3_MIN_VLLM))}, have {r.get('vllm_version')}; "
-                     f"fix: install the requirements-gpu.txt pin")
+                     f"fix: install the requirements/gpu.txt pin")
     return f"routed experts returned (vLLM {r.get('vllm_version')}, rollout PP 1)"
 
 
@@ -408,7 +408,7 @@ def _verl_rollout_logprobs(spec):
 
 @rule("verl.r3_needs_vllm_rollout", f"{VERL}: verl/workers/rollout/vllm_rollout/vllm_async_server.py "
       f"(enable_return_routed_experts, vLLM >= 0.22) is the routed-experts path this repo's R3 checks ({VLLM}: "
-      "routes for every layer, dense rows zero, matched to Megatron routers by layer number); requirements-gpu.txt "
+      "routes for every layer, dense rows zero, matched to Megatron routers by layer number); requirements/gpu.txt "
       "pins no SGLang or TensorRT-LLM")
 def _verl_r3_engine(spec):
     r = spec.rollout
@@ -508,6 +508,45 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what verl hands the hub when no such path exists
+
+
+def missing_local_path(path) -> bool:
+    """A filesystem path (not a hub id such as ``moonshotai/Kimi-K2-Instruct``) that does not exist here."""
+    from pathlib import Path
+
+    text = str(path or "")
+    return bool(text) and not HUB_ID.fullmatch(text) and not Path(text).expanduser().exists()
+
+
+RUN_PATHS = {"actor_rollout_ref.model.path": "model_path", "data.train_files": "train_files",
+             "data.val_files": "val_files"}
+
+
+@rule("paths.exist_where_the_job_runs", f"{VERL}: utils/fs.py copy_to_local (a path that does not exist is taken "
+      f"for a hub id), trainer/main_ppo.py (datasets opened after Ray and the workers start); Apptainer binds "
+      f"only $PWD by default (scripts/slurm_verl.sbatch binds the rest)")
+def _paths_exist(spec):
+    if spec.rollout is None:
+        return None
+    missing = {}
+    for key, field_ in RUN_PATHS.items():
+        value = spec.verl.get(field_)
+        values = [value] if value is None or isinstance(value, str) else list(value)  # data files may be a list
+        gone = [str(v) for v in values if missing_local_path(v)]
+        if gone:
+            missing[key] = gone[0] if len(gone) == 1 else gone
+    if not missing:
+        return "model and data paths exist here (or name a hub id)"
+    text = ", ".join(f"{k}={v}" for k, v in missing.items())
+    if spec.verl.get("launching"):
+        raise Broken(f"{text}: not found on this node, where the job starts (inside the container when there is one): "
+                     f"verl would fail after Ray, vLLM and Megatron start-up; fix: set the path's variable "
+                     f"(KIMI_K2_PATH, MOONLIGHT_PATH, QWEN3_30B_A3B_PATH, MOERL_DATA_DIR, MOERL_CKPT) to a directory "
+                     f"every node sees and bind it into the container (scripts/slurm_verl.sbatch)")
+    return f"dry run: {text} not on this machine; a launch refuses them unless they exist where it runs"
+
+
 @rule("model.tokenizer_loads", f"{VERL}: verl/utils/tokenizer/tokenizer.py hf_tokenizer (AutoTokenizer.from_pretrained "
       "with trust_remote_code, run on the model directory under the installed transformers); Kimi-K2/Moonlight ship "
       "a tiktoken TikTokenTokenizer (tokenization_kimi.py) through auto_map")
@@ -515,8 +554,11 @@ def _model_tokenizer(spec):
     from pathlib import Path
 
     path = spec.verl.get("model_path")
+    if spec.verl.get("launching") and missing_local_path(path):
+        raise Broken(f"actor_rollout_ref.model.path={path} does not exist where the job starts, so its tokenizer "
+                     f"cannot be checked or loaded; fix: the model directory, bound into the container")
     if not path or not (Path(path) / "tokenizer_config.json").is_file():
-        return None  # a hub id or a directory not on this machine: loaded for the first time by the run
+        return None  # a hub id, or a dry run away from the cluster: rule paths.exist_where_the_job_runs says which
     return tokenizer_check(str(path), bool(spec.verl.get("trust_remote_code")))
 
 
@@ -609,7 +651,7 @@ def _bridge_shared(spec):
                      f"broadcasts the shared adapter when it is built (peft/utils.py has the EP grad hook but no "
                      f"_synchronize_shared_expert_parameters), so each EP rank's LoRA-A starts from its own "
                      f"expert-parallel seed and the {spec.ep} copies never agree; the export then gives each expert "
-                     f"its EP rank's copy; fix: megatron-bridge 0.6.2 (requirements-gpu.txt) with "
+                     f"its EP rank's copy; fix: megatron-bridge 0.6.2 (requirements/gpu.txt) with "
                      f"override_transformer_config.gradient_accumulation_fusion=false, or "
                      f"share_expert_adapters=False, or EP=1")
     fused, why = grad_accumulation_fusion(spec)
@@ -715,6 +757,177 @@ def _lora_decode(spec):
                      "without it while the trainer applies it (a mismatch R3 cannot remove); fix: drop "
                      "linear_kv_up_proj (or merge the adapter: lora.merge=True)")
     return "no MLA kv_b_proj adapter"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the adapter-only refit never sends again: the routers' expert bias
+# ---------------------------------------------------------------------------------------------
+
+MCORE_PIN = "megatron-core 0.19.2"
+EXPERT_BIAS_RATE_DEFAULT = 1e-3  # megatron-core 0.19.2 transformer_config.py:800
+EXPERT_BIAS_SOURCE = (
+    f"{BRIDGE}: models/deepseek/deepseek_v3_bridge.py:74, models/kimi/kimi_bridge.py:62 "
+    f"(moe_router_enable_expert_bias=True, update rate left at the default), models/glm/glm45_bridge.py:78 "
+    f"(freezes it: moe_router_bias_update_rate=0); {MCORE_PIN}: transformer/transformer_config.py:800 (default "
+    f"1e-3), distributed/finalize_model_grads.py:334-372, 665-670 (_update_router_expert_bias after every "
+    f"optimizer step); {VERL}: utils/megatron_utils.py:1738 (registers finalize_model_grads), "
+    f"workers/engine/megatron/transformer_impl.py:295, 371-372, 400-403 (override_transformer_config -> "
+    f"provider.apply_overrides_and_finalize, {BRIDGE} models/model_provider.py:162-165); "
+    f"training/checkpointing.py:3256-3286 + peft/base.py:204-228 (the LoRA checkpoint keeps adapters only)")
+
+
+def bridge_enables_expert_bias(model: dict) -> bool:
+    """Whether Megatron-Bridge builds this model's routers with the aux-loss-free expert bias
+    (DeepSeek-V3 / Kimi-K2 / Moonlight: the ``deepseek_v3`` family, whose checkpoints carry it as
+    ``mlp.gate.e_score_correction_bias``)."""
+    return model.get("family") == "deepseek_v3"
+
+
+def expert_bias_update_rate(spec) -> tuple[float, str]:
+    """(rate, where it comes from) of megatron-core's expert-bias update for this launch."""
+    otc = spec.verl.get("otc") or {}
+    if otc.get("moe_router_bias_update_rate") is not None:
+        rate = float(otc["moe_router_bias_update_rate"])
+        return rate, f"override_transformer_config.moe_router_bias_update_rate={otc['moe_router_bias_update_rate']}"
+    return EXPERT_BIAS_RATE_DEFAULT, (f"unset: the DeepSeek-V3/Kimi bridges leave megatron-core's default "
+                                      f"{EXPERT_BIAS_RATE_DEFAULT:g}")
+
+
+@rule("megatron.expert_bias_frozen_under_lora", EXPERT_BIAS_SOURCE)
+def _expert_bias_frozen(spec):
+    if not bridge_enables_expert_bias(spec.model) or not spec.lora.get("rank") or spec.lora.get("merge"):
+        return None
+    otc = spec.verl.get("otc") or {}
+    if otc.get("moe_router_enable_expert_bias") is False:
+        raise Broken(f"override_transformer_config.moe_router_enable_expert_bias=False on {spec.model.get('name')}: "
+                     f"the trainer would route without the checkpoint's e_score_correction_bias while vLLM routes "
+                     f"with it, a train/rollout mismatch by construction; fix: leave it on and set "
+                     f"+override_transformer_config.moe_router_bias_update_rate=0")
+    rate, why = expert_bias_update_rate(spec)
+    if rate != 0:
+        raise Broken(f"expert-bias update rate {rate:g} ({why}) with LoRA and adapter-only refit (lora.merge=False) on "
+                     f"{spec.model.get('name')}: megatron-core moves every router's expert_bias by {rate:g} per step "
+                     f"in finalize_model_grads, but the refit sends only the adapters and the LoRA checkpoint keeps "
+                     f"only the adapters, so the trainer's routing walks away from vLLM's step by step and a resume "
+                     f"resets it, with no error; fix: +actor_rollout_ref.actor.megatron.override_transformer_config."
+                     f"moe_router_bias_update_rate=0")
+    return f"expert bias frozen ({why}): trainer, vLLM and every resume route with the checkpoint's bias"
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides that compose and run but train the wrong thing
+# ---------------------------------------------------------------------------------------------
+
+@rule("lora.alpha_positive", f"{BRIDGE}: peft/lora.py LoRA.transform -> ParallelLinearAdapter (the adapter output "
+      f"is scaled by alpha/dim); {VERL}: trainer/config/model/hf_model.yaml lora.alpha (default 32)")
+def _lora_alpha(spec):
+    rank = spec.lora.get("rank")
+    if not rank or int(rank) <= 0:
+        return None
+    alpha = spec.lora.get("alpha")
+    if alpha is None or float(alpha) <= 0:
+        raise Broken(f"actor_rollout_ref.model.lora.alpha={alpha} with rank {rank}: the adapter's output is scaled "
+                     f"by alpha/rank = {0 if alpha is None else float(alpha) / int(rank):g}, so its delta and both "
+                     f"factors' gradients are zero or reversed: nothing learns (or it learns against the loss) "
+                     f"and every step looks healthy; fix: alpha > 0, e.g. 2*rank={2 * int(rank)}")
+    return f"LoRA scale alpha/rank = {float(alpha) / int(rank):g}"
+
+
+@rule("lora.no_dropout", f"{BRIDGE}: peft/lora.py LoRA(dropout=...) -> ParallelLinearAdapter dropout in training "
+      f"mode; {VLLM}: vllm/lora/layers (no dropout at inference)")
+def _lora_dropout(spec):
+    if not spec.lora.get("rank") or spec.rollout is None:
+        return None
+    p = float(spec.lora.get("dropout") or 0.0)
+    if p > 0:
+        raise Broken(f"actor_rollout_ref.model.lora.dropout={p}: the trainer drops adapter inputs in its log-prob "
+                     f"and update passes while vLLM samples without dropout, so pi_train/pi_rollout carries dropout "
+                     f"noise that no mismatch remedy here removes (and the experiments measure that ratio); "
+                     f"fix: lora.dropout=0")
+    return "LoRA dropout 0 (trainer and rollout apply the same adapter)"
+
+
+@rule("verl.rollout_dtype_matches_trainer", f"{VERL}: trainer/config/rollout/rollout.yaml:41-43 (rollout dtype: "
+      f"'Align with actor model's FSDP/Megatron type'), trainer/config/engine/megatron.yaml:119-120 (trainer dtype)")
+def _rollout_dtype(spec):
+    r = spec.rollout
+    if r is None or not r.get("dtype") or not spec.verl.get("trainer_dtype"):
+        return None
+    want, got = _dtype_name(spec.verl["trainer_dtype"]), _dtype_name(r["dtype"])
+    if want != got:
+        raise Broken(f"actor_rollout_ref.rollout.dtype={r['dtype']} but the trainer computes in "
+                     f"actor_rollout_ref.actor.megatron.dtype={spec.verl['trainer_dtype']}: the rollout samples from "
+                     f"a differently rounded policy, a systematic train/rollout mismatch no experiment asked for; "
+                     f"fix: rollout.dtype={spec.verl['trainer_dtype']}")
+    return f"trainer and rollout both {want}"
+
+
+def _dtype_name(text) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32"}.get(str(text).replace("torch.", "").lower(), str(text).replace("torch.", "").lower())
+
+
+@rule("verl.token_budget_holds_one_sequence", f"{VERL}: utils/seqlen_balancing.py:384 (asserts max_token_len >= "
+      f"the longest sequence when dynamic batch sizing splits micro-batches), workers/engine_workers.py:617-634 "
+      f"(actor.ppo_max_token_len_per_gpu and rollout.log_prob_max_token_len_per_gpu)")
+def _token_budget(spec):
+    v = spec.verl
+    if not v.get("use_dynamic_bsz") or "prompt_len" not in v:
+        return None
+    seq = v["prompt_len"] + v["response_len"]
+    budgets = {k: v.get(k) for k in ("actor.ppo_max_token_len_per_gpu", "rollout.log_prob_max_token_len_per_gpu")}
+    short = {k: b for k, b in budgets.items() if b is not None and int(b) < seq}
+    if short:
+        k, b = next(iter(short.items()))
+        raise Broken(f"actor_rollout_ref.{k}={b} is below one full sequence (max_prompt_length+max_response_length="
+                     f"{seq}): verl asserts in seqlen_balancing.py after the first rollout, once any sample reaches "
+                     f"{int(b) + 1} tokens; fix: {k.split('.')[-1]} >= {seq}")
+    return "token budgets " + ", ".join(f"{k.split('.')[0]} {b}" for k, b in budgets.items() if b) + f" >= {seq}"
+
+
+# Checkpoint formats the trainer runs as stored: none. Megatron-Bridge dequantizes block FP8 to bf16 on load
+# (models/conversion/quantization_utils.py:68-105), so any hub quantization means the trainer and vLLM hold
+# different weights unless vLLM is told to do the same.
+TRAINER_QUANT_METHODS: tuple[str, ...] = ()
+
+
+def checkpoint_quantization(spec) -> tuple[dict | None, str]:
+    """(quantization_config, where read) of the checkpoint this launch loads: the model directory's
+    config.json where it exists here, else the shipped public config of ``moerl.model``."""
+    import json
+    from pathlib import Path
+
+    path = spec.verl.get("model_path")
+    if path and (Path(path) / "config.json").is_file():
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        return cfg.get("quantization_config"), f"{path}/config.json"
+    return spec.model.get("quantization_config"), (f"the published config.json of {spec.model.get('name')} "
+                                                   f"({spec.model.get('_path', '')})")
+
+
+@rule("model.checkpoint_not_quantized", f"{VERL}: workers/rollout/vllm_rollout/vllm_async_server.py:1263-1266 "
+      f"(an fp8 quantization_config turns on vLLM's FP8 path); {BRIDGE}: models/conversion/quantization_utils.py"
+      f":68-105 (dequantizes FP8 to bf16 for the trainer)")
+def _checkpoint_quant(spec):
+    if spec.rollout is None:
+        return None
+    q, where = checkpoint_quantization(spec)
+    if not q:
+        return f"unquantized checkpoint ({where})"
+    method = q.get("quant_method")
+    if method in TRAINER_QUANT_METHODS:
+        return f"{method} checkpoint, run as stored by the trainer"
+    from pathlib import Path
+
+    local = spec.verl.get("model_path") and (Path(spec.verl["model_path"]) / "config.json").is_file()
+    if not local and not spec.verl.get("launching"):
+        return (f"dry run: {spec.verl.get('model_path')} is not here, and {where} has quantization_config "
+                f"quant_method={method!r}: a launch refuses it unless the path holds a bf16 checkpoint")
+    raise Broken(f"actor_rollout_ref.model.path={spec.verl.get('model_path')}: {where} has quantization_config "
+                 f"quant_method={method!r} ({ {k: q[k] for k in list(q)[:4]} }): vLLM serves the {method} weights "
+                 f"while Megatron-Bridge dequantizes them to bf16 for the trainer, a systematic train/rollout "
+                 f"mismatch no experiment asked for; fix: point the path at a bf16 checkpoint (e.g. dequantized "
+                 f"once with DeepSeek-V3's inference/fp8_cast_bf16.py) whose config.json has no quantization_config")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -909,7 +1122,7 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                      enable_chunked_prefill=sel(r + "enable_chunked_prefill", True),
                      max_num_batched_tokens=sel(r + "max_num_batched_tokens"),
                      calculate_log_probs=sel(r + "calculate_log_probs"),
-                     vllm_version=vllm_version),
+                     dtype=sel(r + "dtype"), vllm_version=vllm_version),
         lora=lora,
         verl=dict(train_batch_size=int(sel("data.train_batch_size")),
                   ppo_mini_batch_size=int(sel("actor_rollout_ref.actor.ppo_mini_batch_size")),
@@ -921,7 +1134,13 @@ def spec_from_verl(cfg, moerl: dict, model: dict, plan=None, vllm_version: str =
                   train_prompts=moerl.get("train_prompts"), drop_last=True,
                   prompt_len=int(sel("data.max_prompt_length")), response_len=int(sel("data.max_response_length")),
                   use_mbridge=sel(a + "use_mbridge"), vanilla_mbridge=sel(a + "vanilla_mbridge"),
+                  trainer_dtype=sel(a + "dtype"),
+                  use_dynamic_bsz=bool(sel("actor_rollout_ref.actor.use_dynamic_bsz", False)),
+                  **{"actor.ppo_max_token_len_per_gpu": sel("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+                     "rollout.log_prob_max_token_len_per_gpu": _resolved(
+                         cfg, r + "log_prob_max_token_len_per_gpu")},
                   model_path=_resolved(cfg, "actor_rollout_ref.model.path"),
+                  train_files=_resolved(cfg, "data.train_files"), val_files=_resolved(cfg, "data.val_files"),
                   trust_remote_code=bool(sel("actor_rollout_ref.model.trust_remote_code", False)),
                   ratio_band=moerl.get("ratio_band"),
                   rollout_correction=OmegaConf.to_container(sel("algorithm.rollout_correction"), resolve=True)

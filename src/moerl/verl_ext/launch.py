@@ -47,8 +47,8 @@ def _v(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
-def pinned_version(package: str, requirements: Path = REPO / "requirements-gpu.txt") -> str | None:
-    """The ``package==X`` pin in requirements-gpu.txt (what the cluster installs)."""
+def pinned_version(package: str, requirements: Path = REPO / "requirements/gpu.txt") -> str | None:
+    """The ``package==X`` pin in requirements/gpu.txt (what the cluster installs)."""
     if not requirements.exists():
         return None
     for line in requirements.read_text().splitlines():
@@ -68,23 +68,23 @@ def _installed_version(package: str) -> str | None:
 
 
 def vllm_version_for_run() -> tuple[str, str]:
-    """(version, where it came from): the installed vLLM if any, else the requirements-gpu pin."""
+    """(version, where it came from): the installed vLLM if any, else the requirements/gpu.txt pin."""
     try:
         from importlib.metadata import version
 
         return version("vllm"), "installed"
     except Exception:
         pin = pinned_version("vllm")
-        return (pin or "0"), "requirements-gpu.txt pin" if pin else "not installed and not pinned"
+        return (pin or "0"), "requirements/gpu.txt pin" if pin else "not installed and not pinned"
 
 
 def bridge_version_for_run() -> str | None:
-    """The installed Megatron-Bridge, else the version requirements-gpu.txt installs (its install
+    """The installed Megatron-Bridge, else the version requirements/gpu.txt installs (its install
     line is a comment: Bridge goes in with --no-deps)."""
     ver = _installed_version("megatron-bridge")
     if ver:
         return ver
-    req = REPO / "requirements-gpu.txt"
+    req = REPO / "requirements/gpu.txt"
     m = re.search(r"megatron-bridge==([0-9][^\s;#]*)", req.read_text()) if req.exists() else None
     return m.group(1) if m else None
 
@@ -123,6 +123,7 @@ def layout_from_cfg(cfg, moerl: dict) -> planner.Layout:
         micro_batch_tokens=int(micro),
         train_batch_size=int(select(cfg, "data.train_batch_size")),
         rollout_n=int(select(cfg, r + "n")),
+        refit_bucket_mib=int(select(cfg, r + "checkpoint_engine.update_weights_bucket_megabytes", 2048)),
     )
 
 
@@ -152,7 +153,7 @@ def _guarded(checks: list[Check], name: str, fn) -> None:
                                          f"see the other failed rules"))
 
 
-def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
+def validate(cfg, exp: Experiment, launching: bool = False) -> tuple[list[Check], planner.Plan | None]:
     """Every constraint on a composed config: the upstream rules of ``constraints`` (Megatron-Core,
     vLLM, verl, LoRA targets, Megatron-Bridge) plus moerl's own (R3/R2 flags, replay layer mapping,
     losses, the capacity plan). Every rule runs even when another fails or crashes. Returns the
@@ -179,6 +180,7 @@ def validate(cfg, exp: Experiment) -> tuple[list[Check], planner.Plan | None]:
         spec = constraints.spec_from_verl(cfg, moerl, mcfg, plan=p, vllm_version=ver,
                                           lora_experiment_rank=experiment_lora_rank(exp),
                                           bridge_version=bridge_version_for_run())
+        spec.verl["launching"] = launching  # paths must exist here only when the job starts from here
         checks.extend(Check(f.rule, f.ok, f"{f.detail} (source: {f.source})") for f in constraints.check_all(spec))
 
     _guarded(checks, "constraints", upstream)
@@ -523,7 +525,8 @@ def _refit_log_overrides(cfg, experiment_name: str, mine: set[str], file_log: Pa
     return out
 
 
-def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None):
+def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = (), seed: int | None = None,
+            launching: bool = False):
     """Compose + validate; raise ConstraintError listing every failed constraint.
 
     ``extra`` are Hydra overrides from the command line (applied last, so they win). The
@@ -536,7 +539,7 @@ def prepare(directory: str | Path, arm: str | None = None, extra: list[str] = ()
     if identity:
         exp.overrides = exp.overrides + identity
         cfg = compose_experiment(exp)
-    checks, p = validate(cfg, exp)
+    checks, p = validate(cfg, exp, launching=launching)
     checks.append(verl_validate(cfg))
     failed = [c for c in checks if not c.ok]
     if failed or p is None:
@@ -630,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: overrides must be key=value, got {bad}", file=sys.stderr)
         return 2
     try:
-        exp, cfg, checks, p = prepare(args.experiment, args.arm, args.overrides, args.seed)
+        exp, cfg, checks, p = prepare(args.experiment, args.arm, args.overrides, args.seed,
+                                      launching=not args.dry_run)
     except (ExperimentError, ConstraintError, planner.PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

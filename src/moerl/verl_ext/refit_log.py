@@ -164,6 +164,11 @@ def install() -> bool:
     ``VERL_USE_EXTERNAL_MODULES``, verl/__init__.py:49-52), in every process before any worker is built."""
     if not os.environ.get(ENV_PATH):
         return False
+    from moerl.verl_ext import expert_bias_log
+
+    # the trainer's side of the same question: did anything the refit never sends (the routers' expert
+    # bias) move? X.expert_bias.jsonl beside X.refit.jsonl
+    expert_bias_log.install(expert_bias_log.beside(os.environ[ENV_PATH]))
     from verl.workers.rollout import base
 
     ours = f"{MODULE}.{LOGGED_CLASS}"

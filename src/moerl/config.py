@@ -995,11 +995,22 @@ def config_yaml(cfg: ExperimentConfig, only_read: bool = False) -> str:
     """The resolved config as YAML (every key: what a run directory records); ``only_read`` leaves out the
     ``model.*`` keys the chosen family never reads (what ``--print-config`` shows)."""
     data = to_dict(cfg)
-    if only_read:
+    if only_read and cfg.model.path:  # the checkpoint's config.json defines the model; no preset key is read
+        for key in CHECKPOINT_DEFINES:
+            data["model"].pop(key)
+        if cfg.data.task in ("gsm8k", "math"):
+            for key in ("max_a", "max_bc"):
+                data["data"].pop(key, None)
+    elif only_read:
         from moerl.models.family_keys import unread_keys
 
         for key in unread_keys(cfg.model.preset, list(data["model"])):
             data["model"].pop(key)
+    if only_read and not cfg.model.path:
+        for key in ("path", "trust_remote_code"):
+            data["model"].pop(key)
+        for key in ("chat_template", "instruction", "max_prompt_tokens"):
+            data["data"].pop(key)
     return yaml.safe_dump(data, sort_keys=False)
 
 

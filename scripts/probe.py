@@ -106,7 +106,29 @@ def plot(record: dict, path: Path, title: str) -> Path:
     return path
 
 
+def draw(record: dict, out: Path) -> Path | None:
+    """OUT.png beside OUT.json; None (and a note) where matplotlib is not installed (vLLM's own environment)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"[probe] no figure: matplotlib is not installed here; draw it elsewhere with "
+              f"python scripts/probe.py --figure-only {out}")
+        return None
+    title = (f"{Path(record['checkpoint']).name} ({record['model_type']}): {record['precisions'][next(iter(record['precisions']))]['prompts']} "
+             f"prompts, trainer {record['trainer_dtype']} on {record['device']}, engine {record.get('engine', 'hf')}")
+    return plot(record, out.with_suffix(".png"), title)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--figure-only"]:  # redraw OUT.png from an existing OUT.json
+        if len(argv) != 2:
+            print("usage: python scripts/probe.py --figure-only OUT.json", file=sys.stderr)
+            return 2
+        out = Path(argv[1])
+        print(f"[probe] wrote {draw(json.loads(out.read_text()), out)}")
+        return 0
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import torch
@@ -153,13 +175,12 @@ def main(argv=None) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(out)
-    figure = plot(record, out.with_suffix(".png"), f"{info.path.name} ({info.model_type}): {len(rows)} prompts, "
-                                                    f"trainer {args.dtype} on {device}")
+    figure = draw(record, out)
     for name, r in record["precisions"].items():
         routes = (f"R3 {r['r3_k3']['value']:.3g}), re-routed in >= 1 layer {r['reroute_any']['value']:.3f}"
                   if r["reroute_any"] else "no routes from this engine)")
         print(f"[probe] {name}: k3 {r['k3']['value']:.3g} ({routes}, ratio > 2 {r['ratio_gt2']['value']:.4f}")
-    print(f"[probe] wrote {out} and {figure} in {time.time() - start:.0f} s")
+    print(f"[probe] wrote {out}{f' and {figure}' if figure else ''} in {time.time() - start:.0f} s")
     return 0
 
 

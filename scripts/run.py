@@ -23,6 +23,7 @@ import logging
 import shlex
 import sys
 import time
+from pathlib import Path
 
 
 def parse_args(argv: list[str] | None):
@@ -57,12 +58,20 @@ def run(args) -> dict | None:
     cfg = load_config(args.config, overrides)
     run_dir = cfg.run_dir
     if args.print_config:
-        print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg)}", end="")
+        # the model keys the family never reads are left out (they are refused when set)
+        print(f"# run directory: {run_dir}\n# config hash: {config_hash(cfg)}\n{config_yaml(cfg, only_read=True)}",
+              end="")
         return None
     from moerl.runlock import lock_run
     from moerl.trainer.grpo import check_splits
 
     check_splits(cfg)  # bad data fails before anything is written (the lock file included)
+    if args.resume and not run_dir.is_dir():  # refused before the lock: no empty folders, no lock file left
+        out = cfg.tracking.output_dir
+        where = "" if Path(out).is_absolute() else \
+            f"; tracking.output_dir={out} is relative, taken from the working directory {Path.cwd()}"
+        raise UsageError(f"{run_dir}: no such run to resume (its name carries the overrides that change it{where}); "
+                         f"start it without --resume")
     # One writer per run directory, taken before the run's state is looked at: a second run or a
     # resume of a live run is refused, naming the process that holds it.
     lock_run(run_dir)
@@ -76,9 +85,11 @@ def run(args) -> dict | None:
                   flush=True)
             args.fresh, args.resume = False, not finished
     if (run_dir / "summary.json").exists() and not args.fresh:
-        from moerl.tracking import check_same_config
+        from moerl.identity import inputs_record
+        from moerl.tracking import check_same_config, check_same_inputs
 
         check_same_config(run_dir, cfg, "skip")
+        check_same_inputs(run_dir, inputs_record(cfg), "skip")  # its data files, by content
         print(f"{run_dir} is finished (summary.json): nothing to do (--fresh moves it aside and starts over)")
         return json.loads((run_dir / "summary.json").read_text())
     if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
@@ -116,12 +127,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
         return run(args)
+    from moerl.runlock import RunLockedError
+
     try:
         return run(args)
     except KeyboardInterrupt:
         sys.exit("interrupted; continue with --resume")
+    except RunLockedError as err:  # the run is live in another process: busy, not failed
+        raise Busy(one_line_error(err)) from None
     except Exception as err:  # noqa: BLE001 - one actionable line for the user; --debug for the traceback
         sys.exit(one_line_error(err))
+
+
+class Busy(SystemExit):
+    """The run is refused because another live process holds it; the script exits with BUSY_EXIT_CODE."""
 
 
 def one_line_error(err: BaseException) -> str:
@@ -135,4 +154,10 @@ def one_line_error(err: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Busy as busy:
+        print(busy.code, file=sys.stderr)
+        from moerl.runlock import BUSY_EXIT_CODE
+
+        sys.exit(BUSY_EXIT_CODE)

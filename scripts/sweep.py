@@ -139,7 +139,8 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
     """Resolve every arm x seed through the config loader (so a bad override fails before anything
     runs) and decide what each run needs. Returns (experiment name, experiment output dir, jobs)."""
     from moerl.config import ConfigError, load_config
-    from moerl.tracking import RunMismatchError, check_same_config
+    from moerl.identity import inputs_record
+    from moerl.tracking import RunMismatchError, check_same_config, check_same_inputs
 
     jobs, experiment, out_dir = [], None, None
     computes: dict[str, str] = {}  # what an arm computes (its identity without its name) -> arm
@@ -162,7 +163,14 @@ def plan(experiment_dir: Path, seeds: list[int], arms: list[str] | None, overrid
             if action != "fresh":
                 try:
                     check_same_config(run_dir, cfg, action)
-                except RunMismatchError as err:
+                    # the content of its data files and base config, as far as they exist yet
+                    ws_dir = None
+                    if cfg.warm_start.enabled:
+                        from moerl.trainer.warm_start import warm_start_dir
+
+                        ws_dir = warm_start_dir(cfg)
+                    check_same_inputs(run_dir, inputs_record(cfg, ws_dir), action)
+                except (RunMismatchError, FileNotFoundError) as err:
                     raise SystemExit(str(err)) from None
             warm = None
             if cfg.warm_start.enabled and action != "skip":
@@ -433,8 +441,16 @@ class Heartbeat:
             self.thread.join()
 
 
+def _busy(r: Result) -> bool:
+    """A run refused because another live process holds it (scripts/run.py exits with BUSY_EXIT_CODE)."""
+    from moerl.runlock import BUSY_EXIT_CODE
+
+    return r.rc == BUSY_EXIT_CODE and r.action != "warm_start"
+
+
 def _report(done: int, total: int, r: Result) -> None:
-    status = "ok" if r.rc == 0 else f"FAILED (rc {r.rc}, see {r.log})"
+    status = "ok" if r.rc == 0 else "busy (another process is running it; not run here)" if _busy(r) else \
+        f"FAILED (rc {r.rc}, see {r.log})"
     what = f"warm start for {r.arm}" if r.action == "warm_start" else f"{r.arm} seed{r.seed} ({r.action})"
     print(f"[sweep {done}/{total}] {what}: {status} in {r.seconds:.0f} s", flush=True)
 
@@ -548,7 +564,8 @@ def table(results: list[Result], blind: bool = False) -> str:
         return format(value, spec) if isinstance(value, (int, float)) else "-"
 
     for r in sorted(results, key=lambda r: (r.action != "warm_start", r.arm, r.seed)):
-        status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else f"failed rc={r.rc}")
+        status = "skipped (finished)" if r.rc is None else ("ok" if r.rc == 0 else "busy (run by another process)"
+                                                              if _busy(r) else f"failed rc={r.rc}")
         if r.rc == -2:
             status = f"not started: its warm start failed ({r.log})"
         o = run_outcome(r.run_dir) if r.run_dir and r.action != "warm_start" else {}
@@ -619,7 +636,8 @@ class InvocationRecord:
             else:
                 invocations[mine] = self.entry
             data["total_wall_seconds"] = sum(i["wall_seconds"] for i in invocations if i["ran"])
-            if result is not None and result.rc is not None and result.action != "warm_start":
+            # a run refused as busy is another process's attempt: neither its time nor an attempt is its run's
+            if result is not None and result.rc is not None and result.action != "warm_start" and not _busy(result):
                 slot = data.setdefault("runs", {}).setdefault(f"{result.arm}/seed{result.seed}",
                                                               {"seconds": 0.0, "attempts": 0})
                 slot["seconds"] += result.seconds if result.seconds == result.seconds else 0.0
@@ -750,8 +768,10 @@ def sweep(argv: list[str] | None = None) -> int:
     results = ran + skipped
     path = record.finish(skipped)
     print(table(results, args.blind))
-    failed = [r for r in results if r.rc not in (None, 0)]
-    print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed; recorded in {path}")
+    failed = [r for r in results if r.rc not in (None, 0) and not _busy(r)]
+    busy = sum(_busy(r) for r in results)
+    print(f"[sweep] {len(ran)} run(s) in {wall:.0f} s wall; {len(failed)} failed"
+          f"{f'; {busy} busy (run by another process)' if busy else ''}; recorded in {path}")
     return 1 if failed else 0
 
 

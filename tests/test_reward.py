@@ -132,3 +132,56 @@ def test_the_reward_cache_keeps_the_newest_answers_within_its_size(monkeypatch):
         rewards = batch_rewards([f"\\boxed{{{i}}}" for i in range(8)], [str(i) for i in range(8)])
         assert rewards == [1.0] * 8  # every answer scored before the oldest are forgotten
         assert list(reward._cache) == [(f"\\boxed{{{i}}}", str(i)) for i in range(3, 8)]
+
+
+def test_a_batch_of_slow_answers_stops_at_its_total_time_budget(caplog):
+    """Each slow answer is stopped at its own limit, and the batch as a whole at its budget: the answers
+    left when it runs out earn 0 unverified, with a warning, instead of each taking its full limit."""
+    import logging
+    import time
+
+    verifier = IsolatedVerifier(timeout=2.0, batch_timeout=3.0)
+    slow = (r"\boxed{(x+y+1)^{1000}}", "5")
+    verifier(r"\boxed{1}", "1")  # a started worker: its start is not part of the budget
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="moerl.reward"):
+        assert verifier.many([(r"\boxed{7}", "7"), slow, slow, slow, slow, (r"\boxed{8}", "8")]) == [1.0] + [0.0] * 5
+    assert time.perf_counter() - start < 3.0 + 15  # the budget, and at most one worker restart on a busy machine
+    assert "the batch's 6 answers took over 3 s together; the 4 not yet verified earn 0" in caplog.text
+
+
+def test_the_verifier_worker_dies_with_its_parent(tmp_path):
+    """A trainer killed with kill -9 while its worker verifies a slow answer leaves no worker behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "from moerl.reward import IsolatedVerifier\n"
+        "v = IsolatedVerifier(timeout=600.0)\n"
+        "v.process = v._start()\n"
+        "print(v.process.pid, flush=True)\n"
+        "v.many([(r'\\boxed{(x+y+1)^{1000}}', '5')])\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    worker = int(parent.stdout.readline())
+    time.sleep(1.0)  # the worker is inside the slow answer
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state not in ("Z", "X")
+
+    deadline = time.time() + 10
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    if alive(worker):
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"verifier worker {worker} outlived its parent")

@@ -620,11 +620,14 @@ def to_dict(cfg: Any) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader keeps the last of two equal keys silently; a config must not."""
+    """PyYAML's safe loader keeps the last of two equal keys silently; a config must not. YAML merge keys
+    (``<<: *defaults``) work as in the safe loader: a key of the mapping itself overrides a merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged in by the safe loader (flatten_mapping), not a key of its own
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool, type(None))):
                 continue  # the base loader refuses unhashable keys with its own message
@@ -773,6 +776,7 @@ _SECTIONS = "|".join(k for k, hint in get_type_hints(ExperimentConfig).items() i
 def _blamed_layer(message: str, layers: list[tuple[str, dict]], main: str) -> str:
     """The last layer (file or override) that sets a key a cross-field check names, else ``main``."""
     keys = re.findall(rf"\b(?:{_SECTIONS})\.[a-z_0-9]+", message)
+    keys += re.findall(r"^(experiment|arm)=", message)  # the run's directory names (name_checks)
     sources = [src for src, data in layers if any(_has_key(data, k) for k in keys)]
     return sources[-1] if sources else main
 
@@ -901,6 +905,9 @@ def validate(cfg: ExperimentConfig) -> None:
     checks += [(ok, message) for ok, message in name_checks(cfg)]
     checks += [(ok, message) for ok, message in warm_start_checks(cfg.warm_start)]
     checks += [(ok, message) for ok, message in ignored_key_checks(cfg)]
+    from moerl.sizes import size_checks
+
+    checks += size_checks(cfg)  # what this machine cannot hold, before anything is written
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -971,15 +978,16 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
         (t, ("paired_replay_every",), not cfg.rollout.capture_routing,
          "rollout.capture_routing=false records no routes to pair"),
         (lr, ("expert_mode",), not lr.target_experts, "lora.target_experts=false puts no LoRA on the experts"),
-        (m, ("n_shared_experts", "n_group", "topk_group"), m.preset != "deepseek_v3",
-         f"model.preset={m.preset} (only deepseek_v3 reads it)"),
-        (m, ("num_kv_heads",), m.preset == "deepseek_v3",
-         "model.preset=deepseek_v3 projects keys and values for every head (MLA)"),
         (m, CHECKPOINT_DEFINES, m.path is not None, f"model.path={m.path} defines the model (its config.json)"),
         (m, ("trust_remote_code",), m.path is None, "only a checkpoint (model.path) carries code of its own"),
         (d, ("chat_template", "instruction", "max_prompt_tokens"), m.path is None,
          "only a checkpoint's tokenizer (model.path) has a chat template; the tiny presets' prompts are fixed"),
     ]
+    from moerl.models.family_keys import unread_keys, why_unread
+
+    # the model keys the chosen family never reads (the table next to the presets)
+    rules += [(m, (key,), m.path is None, why_unread(m.preset, key))
+              for key in unread_keys(m.preset, [f.name for f in dataclasses.fields(m)])]
     section_of = {id(getattr(cfg, f.name)): f.name for f in dataclasses.fields(cfg)
                   if dataclasses.is_dataclass(getattr(cfg, f.name))}
     out = []
@@ -991,8 +999,27 @@ def ignored_key_checks(cfg: ExperimentConfig) -> list[tuple[bool, str]]:
     return out
 
 
-def config_yaml(cfg: ExperimentConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def config_yaml(cfg: ExperimentConfig, only_read: bool = False) -> str:
+    """The resolved config as YAML (every key: what a run directory records); ``only_read`` leaves out the
+    ``model.*`` keys the chosen family never reads (what ``--print-config`` shows)."""
+    data = to_dict(cfg)
+    if only_read and cfg.model.path:  # the checkpoint's config.json defines the model; no preset key is read
+        for key in CHECKPOINT_DEFINES:
+            data["model"].pop(key)
+        if cfg.data.task in ("gsm8k", "math"):
+            for key in ("max_a", "max_bc"):
+                data["data"].pop(key, None)
+    elif only_read:
+        from moerl.models.family_keys import unread_keys
+
+        for key in unread_keys(cfg.model.preset, list(data["model"])):
+            data["model"].pop(key)
+    if only_read and not cfg.model.path:
+        for key in ("path", "trust_remote_code"):
+            data["model"].pop(key)
+        for key in ("chat_template", "instruction", "max_prompt_tokens"):
+            data["data"].pop(key)
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def save_config(cfg: ExperimentConfig, path: str | Path) -> None:

@@ -12,7 +12,11 @@ in full: hours):
 - parsing and verifying run in a worker process that is killed when one answer takes over
   ``VERIFY_TIMEOUT_SECONDS`` (earning 0 then): what no bound foresees -- ``(x+y+1)^{1000}`` is expanded
   for minutes, ``\binom{99999999}{49999999}`` is evaluated while parsing -- cannot stop a run. Ordinary
-  answers take milliseconds, so the limit is never near them.
+  answers take milliseconds, so the limit is never near them;
+- a batch's answers together get ``BATCH_TIMEOUT_SECONDS``: a batch of many slow answers, each under
+  its own limit, cannot stall a step for minutes (the answers left when it runs out earn 0, logged);
+- the worker dies with the process that started it (a parent-death signal, and a watchdog on the parent's
+  pid), so a trainer killed with ``kill -9`` leaves no worker computing on.
 
 Results are cached because GRPO samples the same completion for the same problem many times.
 """
@@ -27,6 +31,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from functools import lru_cache
@@ -45,6 +50,8 @@ PARSE_CACHE_SIZE = 1 << 16
 MAX_ANSWER_DIGITS = 10_000
 # One answer's parse and verification is stopped after this long (it earns 0); ordinary ones take milliseconds.
 VERIFY_TIMEOUT_SECONDS = 20.0
+# All answers of one batch together: a step's ordinary answers take well under a second.
+BATCH_TIMEOUT_SECONDS = 60.0
 WORKER_START_SECONDS = 120.0  # importing math-verify and sympy; on a loaded machine, seconds
 log = logging.getLogger(__name__)
 
@@ -120,11 +127,16 @@ class IsolatedVerifier:
     forkserver re-import the caller's main module (which breaks inside Ray workers and unguarded
     scripts) and fork would copy the trainer's threads; pebble's pool builds on those contexts."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, batch_timeout: float | None = None):
         self.timeout, self.process, self.lock = timeout, None, threading.Lock()
+        self.batch_timeout = BATCH_TIMEOUT_SECONDS if batch_timeout is None else batch_timeout
 
     def _start(self) -> subprocess.Popen:
-        code = f"import sys; sys.path[:0] = {sys.path!r}; from moerl.reward import serve; serve(handshake=True)"
+        # the parent-death signal follows the thread that started the child: asked for from the main thread
+        # only (a worker thread that ends would kill a worker its process still uses); the watchdog always
+        signal_death = threading.current_thread() is threading.main_thread()
+        code = (f"import sys; sys.path[:0] = {sys.path!r}; from moerl.reward import serve; "
+                f"serve(handshake=True, parent={os.getpid()}, parent_death_signal={signal_death})")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # unbuffered bytes: select() sees every reply line, none hides in a read-ahead buffer
         process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -144,12 +156,20 @@ class IsolatedVerifier:
     def many(self, pairs: list[tuple[str, str]], chunk_bytes: int = 32 << 10) -> list[float]:
         """Rewards of (completion tail, answer) pairs, in order. A chunk is written at once (one round trip,
         not one per answer) and read back line by line, each answer with its own time limit: one that
-        exceeds it earns 0, its worker is killed, and the answers after it go to a new worker. A chunk
+        exceeds it earns 0, its worker is killed, and the answers after it go to a new worker; once the
+        batch has taken ``batch_timeout`` s in all (worker starts aside), the answers left earn 0. A chunk
         fits in the pipe's buffer (64 KiB), so writing it never waits on a worker that hangs."""
         out: list[float] = []
         lines = [(json.dumps(pair) + "\n").encode() for pair in pairs]
         with self.lock:
+            deadline = time.monotonic() + self.batch_timeout
             while len(out) < len(pairs):
+                if time.monotonic() >= deadline:
+                    left = len(pairs) - len(out)
+                    log.warning("reward: the batch's %d answers took over %g s together; the %d not yet verified "
+                                "earn 0 (first: %r)", len(pairs), self.batch_timeout, left, pairs[len(out)][0][-80:])
+                    out += [0.0] * left
+                    break
                 todo, size = [], 0
                 for line in lines[len(out):]:
                     if todo and size + len(line) > chunk_bytes:
@@ -157,15 +177,20 @@ class IsolatedVerifier:
                     todo.append(pairs[len(out) + len(todo)])
                     size += len(line)
                 if self.process is None or self.process.poll() is not None:
+                    began = time.monotonic()
                     self.process = self._start()
+                    deadline += time.monotonic() - began  # starting a worker is not the answers' time
                 self.process.stdin.write(b"".join(lines[len(out):len(out) + len(todo)]))
                 for tail, _ in todo:
-                    ready, _, _ = select.select([self.process.stdout], [], [], self.timeout)
+                    left = deadline - time.monotonic()
+                    ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, min(self.timeout, left)))
                     line = self.process.stdout.readline() if ready else b""
                     if not line:  # took too long, or died on this answer: kill it, the rest go to a new one
                         self.process.kill()
                         self.process.wait()
                         self.process = None
+                        if not ready and left <= self.timeout:  # the batch's budget ran out, not the answer's
+                            break
                         why = f"took over {self.timeout:g} s" if not ready else "ended its verifier (killed, out of memory?)"
                         log.warning("reward: verifying %r %s; it earns 0", tail[-80:], why)
                         out.append(0.0)
@@ -174,10 +199,41 @@ class IsolatedVerifier:
         return out
 
 
-def serve(handshake: bool = False) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, signal_death: bool = True, poll_seconds: float = 1.0) -> None:
+    """End this process when process ``parent`` ends: on Linux a parent-death SIGKILL from the kernel
+    (``prctl(PR_SET_PDEATHSIG)``, through ctypes: no library wraps it; it fires even while this process is
+    inside one long C call), and everywhere a daemon thread that exits once this process's parent pid is no
+    longer ``parent`` (the parent died and this process was re-parented)."""
+    import signal
+
+    if signal_death and sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog below still ends it
+            pass
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def serve(handshake: bool = False, parent: int | None = None, parent_death_signal: bool = True) -> None:
     """The worker's loop: one JSON ``[completion_tail, answer]`` per line in, its reward per line out (on
     the real stdout only: anything a library prints goes to stderr, so it cannot be read as a reward);
-    ``handshake``: first a ``ready`` line once its imports are done."""
+    ``handshake``: first a ``ready`` line once its imports are done; ``parent``: the pid whose death ends
+    this worker (``die_with_parent``)."""
+    if parent is not None:
+        die_with_parent(parent, parent_death_signal)
     replies, sys.stdout = sys.stdout, sys.stderr
     if handshake:
         replies.write("ready\n")

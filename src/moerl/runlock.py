@@ -32,6 +32,11 @@ class RunLockedError(RuntimeError):
     """Another live process writes this run directory."""
 
 
+# scripts/run.py's exit status when the run is refused because another live process holds it (EX_TEMPFAIL):
+# a sweep reports such a run as busy, not failed, and adds none of its time to the run's.
+BUSY_EXIT_CODE = 75
+
+
 def lock_path(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     return run_dir.with_name(f".{run_dir.name}.lock")

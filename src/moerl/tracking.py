@@ -113,6 +113,30 @@ def check_same_config(run_dir: Path, cfg: ExperimentConfig, action: str) -> None
                                f"use other overrides (they name the run), another tracking.output_dir, or --fresh")
 
 
+def recorded_inputs(run_dir: Path) -> dict:
+    """The content hashes of the inputs a run was made from (run.json ``inputs``; {} for a run that
+    predates them)."""
+    try:
+        recorded = json.loads((Path(run_dir) / "run.json").read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def check_same_inputs(run_dir: Path, current: dict, action: str, recorded: dict | None = None,
+                      where: str | None = None) -> None:
+    """Refuse to ``action`` (resume, skip) a run made from inputs whose content has changed since, naming
+    each changed input with its recorded and current sha256 (``recorded``: a checkpoint manifest's record;
+    default the run's run.json)."""
+    from moerl.identity import inputs_diff
+
+    diff = inputs_diff(recorded_inputs(run_dir) if recorded is None else recorded, current)
+    if diff:
+        raise RunMismatchError(f"{where or run_dir} was made from inputs whose content changed since, cannot "
+                               f"{action} it ({'; '.join(diff)}; sha256 recorded -> now): restore the file(s) it "
+                               f"was made from, or start over with --fresh")
+
+
 def git_sha() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -241,7 +265,7 @@ RUN_FORMAT = 2  # run.json "format": 2 = every checkpoint carries a manifest and
 
 class Tracker:
     def __init__(self, run_dir: Path, cfg: ExperimentConfig, resume_step: int | None = None,
-                 base_hash: str | None = None, legacy_run: bool = False):
+                 base_hash: str | None = None, legacy_run: bool = False, inputs: dict | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -250,8 +274,10 @@ class Tracker:
         atomic_write_text(self.run_dir / "config.yaml", config_yaml(cfg))
         # base_hash: the content of the base weights the LoRA trains on; format: what the run's checkpoints
         # carry (a run continued from checkpoints written before manifests keeps reading as such).
+        # inputs: the sha256 of each file the run reads (moerl.identity.inputs_record).
         record = {"run": cfg.run_name, "config_hash": config_hash(cfg), "base_hash": base_hash,
-                  **({} if legacy_run else {"format": RUN_FORMAT}), "identity": identity_dict(cfg),
+                  **({} if legacy_run else {"format": RUN_FORMAT}), "inputs": inputs or {},
+                  "identity": identity_dict(cfg),
                   "registration": self._registration(cfg)}
         atomic_write_text(self.run_dir / "run.json", json.dumps(record, indent=1) + "\n")
         # The rollout's kernels decide whether its bf16 numbers depend on this machine (native) or not.

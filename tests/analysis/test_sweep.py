@@ -457,3 +457,27 @@ def test_a_record_damaged_while_the_runs_run_keeps_them_going_and_the_entry_besi
     entry = json.loads(aside.read_text())
     assert entry["complete"] and sorted(r["arm"].split("+")[0] for r in entry["results"]) == ["baseline", "r3"]
     assert all(r["rc"] == 0 for r in entry["results"])  # both runs ran to the end
+
+
+def test_a_run_another_process_holds_is_busy_not_failed_and_adds_no_time(tmp_path, capsys):
+    """Two identical sweeps on one directory: the run the other holds is reported busy (scripts/run.py exits
+    with BUSY_EXIT_CODE), not FAILED, and neither the refused attempt's time nor an attempt is added."""
+    from moerl.config import load_config
+    from moerl.runlock import lock_run, unlock_run
+
+    out = tmp_path / "runs"
+    overrides = ["warm_start.enabled=false", "trainer.steps=1"]
+    run_dir = load_config(str(EXP_DIR / "arms" / "baseline.yaml"), [*overrides, f"tracking.output_dir={out}",
+                                                                    "seed=0"]).run_dir
+    lock_run(run_dir, create=True)  # the other sweep's live run
+    try:
+        rc = sweep.main([str(EXP_DIR), "--arms", "baseline", "--seeds", "1", "--jobs", "1", "--output-dir", str(out),
+                         "--heartbeat", "0", *overrides])
+    finally:
+        unlock_run(run_dir)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "busy (another process is running it; not run here)" in printed and "FAILED" not in printed, printed
+    assert "0 failed; 1 busy (run by another process)" in printed, printed
+    record = json.loads((out / "00_tiny_moe_cpu" / "sweep.json").read_text())
+    assert record.get("runs", {}) == {}, record

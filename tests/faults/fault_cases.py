@@ -19,7 +19,7 @@ class Case:
     input: str     # what the user did or what went wrong
     sees: str      # what scripts/run.py (or the sweep) says
     kept: str      # what is not lost
-    test: str      # test_file.py::test_name in tests/faults/
+    test: str      # test_file.py::test_name, relative to tests/faults/
 
 
 CASES = [
@@ -80,6 +80,11 @@ CASES = [
          "the sweep again`, before any run starts (damaged during the runs: the invocation's entry is written "
          "beside it)", "every run and the damaged record as they were",
          "test_resume_verified.py::test_a_corrupt_sweep_record_stops_the_sweep_before_its_runs"),
+    Case("two identical sweeps on one output directory (each reaches a run the other is training)",
+         "`[sweep 1/1] <run> seed0 (fresh): busy (another process is running it; not run here)` and `... 0 failed; 1 "
+         "busy (run by another process)` (scripts/run.py exits with 75)",
+         "the other sweep's run; sweep.json adds neither the refused attempt nor its time to the run",
+         "../analysis/test_sweep.py::test_a_run_another_process_holds_is_busy_not_failed_and_adds_no_time"),
     # -- checkpoints --------------------------------------------------------------------------------
     Case("a flipped bit in a checkpoint file (`lora.safetensors`)", "a warning `damaged checkpoint <step_N> "
          "(<file>: checksum mismatch ...): resuming from the previous complete checkpoint <step_M>`",
@@ -102,9 +107,52 @@ CASES = [
          "<dir>: ...; restore the warm start it was trained on (warm_start.cache_dir), or start over with --fresh`",
          "the run as it was (run.json and every manifest record the base by content)",
          "test_resume_verified.py::test_a_resume_on_other_base_weights_is_refused"),
+    Case("a crafted `optimizer.pt` or `rng.pt` (a pickle whose `__reduce__` runs a command) in a checkpoint whose "
+         "manifest was recomputed", "a warning `damaged checkpoint <step_N> (<file>: cannot be read (<file>: refused "
+         "(a legacy torch.save file may hold tensors, numbers, strings, containers and numpy arrays only ...)))`, "
+         "then the previous intact checkpoint", "nothing executed: checkpoints hold `optimizer.safetensors` and "
+         "`rng.json`; an older checkpoint's `.pt` files are read by the restricted unpickler only",
+         "test_crafted_files.py::test_a_crafted_pickle_in_a_checkpoint_is_refused_and_runs_nothing"),
+    Case("a checkpoint written before state files (`optimizer.pt`, `rng.pt`)", "nothing: it resumes",
+         "the optimizer and every RNG state exactly (read by the restricted unpickler)",
+         "test_crafted_files.py::test_a_checkpoint_of_the_pickled_format_still_resumes_exactly"),
+    Case("a crafted warm-start `.progress.pt` beside the cache", "a warning `<file>: refused (...); not used: "
+         "training from step 0`", "nothing executed; the warm start is trained from scratch",
+         "test_crafted_files.py::test_a_crafted_warm_start_progress_file_is_refused_and_runs_nothing"),
+    Case("a crafted distributed checkpoint (`.metadata` pickle) or `.pt` given to "
+         "`scripts/check_first_steps.py --checkpoint`", "`<dir>/.metadata: refused (a distributed checkpoint's "
+         "metadata may name torch's checkpoint metadata classes only: ...)` / `<file>: not a torch.save checkpoint of "
+         "tensors (...)`", "nothing executed",
+         "test_crafted_files.py::test_a_crafted_distributed_checkpoint_is_refused_and_runs_nothing"),
+    Case("`--resume` after a data file changed in place (every gold answer of the GSM8K training file edited)",
+         "`<checkpoint> was made from inputs whose content changed since, cannot resume it (data.train_path: <sha256> "
+         "-> <sha256'>; sha256 recorded -> now): restore the file(s) it was made from, or start over with --fresh`",
+         "the run as it was (run.json and every manifest carry the sha256 of each data file)",
+         "test_run_inputs.py::test_a_resume_with_a_changed_data_file_is_refused"),
+    Case("`--resume` after the cached base's `config.json` was edited (`rope_theta`, `norm_topk_prob`; same weights)",
+         "`... cannot resume it (base.config: <sha256> -> <sha256'>; base.files: ...)`",
+         "the run as it was (the base's config.json and its directory are hashed too)",
+         "test_run_inputs.py::test_a_resume_on_an_edited_base_config_is_refused"),
+    Case("a sweep over a finished run whose data file changed since", "`<run> was made from inputs whose content "
+         "changed since, cannot skip it (data.train_path: <sha256> -> <sha256'> ...)`, before any run starts",
+         "the finished run; no seed trained on other data next to it",
+         "test_run_inputs.py::test_a_sweep_does_not_skip_a_finished_run_whose_data_changed"),
+    Case("a sweep after the cached base changed (seed 0 finished on the old base, seed 1 still to run)",
+         "`<run> was made from inputs whose content changed since, cannot skip it (base.config: <sha256> -> "
+         "<sha256'>; ...)`, before any run starts", "seed 0's run; no seed trained on another base beside it",
+         "test_run_inputs.py::test_a_sweep_does_not_skip_a_finished_run_whose_base_changed"),
+    Case("the analysis over runs of one comparison made from different bases or data (a sweep that trained seed 1 "
+         "on a changed base)", "`MixedInputsError: <experiment>: runs of one comparison were made from different "
+         "base_hash (<h> in baseline/seed0; <h'> in baseline/seed1): they cannot be pooled; ...`",
+         "every run; runs recorded before these hashes load as before",
+         "test_run_inputs.py::test_the_analysis_refuses_to_pool_runs_of_other_bases_or_data"),
     Case("a run started or resumed from another working directory", "nothing: a relative `warm_start.cache_dir` is "
          "taken from the repository root", "the warm start the run was trained on",
          "test_resume_verified.py::test_the_warm_start_cache_does_not_depend_on_the_working_directory"),
+    Case("`--resume` from another working directory with a relative `tracking.output_dir`", "`<run>: no such run "
+         "to resume (...; tracking.output_dir=runs is relative, taken from the working directory <cwd>); start it "
+         "without --resume`", "nothing written: no empty folders, no lock file",
+         "test_bad_input.py::test_a_refused_resume_from_another_working_directory_leaves_nothing_behind"),
     Case("`--resume` with metrics.jsonl not matching the checkpoint: a checkpointed step's row truncated, a row "
          "duplicated, a row missing, the file deleted", "`<run>/metrics.jsonl: no row for step 2, which checkpoint "
          "step_2 covers (...); its last line is truncated; restore metrics.jsonl ... or start over with --fresh` / "
@@ -142,6 +190,23 @@ CASES = [
          "`loss.icepop_alpha` with `ppo_clip`, `replay.strict` without replay, `model.n_group` with qwen3_moe, ...)",
          "`... data.train_path='train.jsonl' has no effect: data.task=arith generates its rows (...); remove it`",
          "nothing written", "test_resume_verified.py::test_settings_that_do_nothing_are_refused"),
+    Case("a model key the preset never reads, set away from its default (`model.first_k_dense=4` on qwen3_moe, "
+         "`model.topk_group` on mixtral, `model.num_kv_heads` on deepseek_v3; every preset, every key)",
+         "`command-line override 'model.first_k_dense=4': model.first_k_dense=4 has no effect: model.preset=qwen3_moe "
+         "(only deepseek_v3 reads it); remove it`; `--print-config` shows only the keys the preset reads",
+         "nothing written (no run name, no warm start trained for it)",
+         "../models/test_family_keys.py::test_a_key_the_preset_does_not_read_is_refused"),
+    Case("a size this machine cannot hold (`rollout.prompts_per_step=100000000000000000000`, `data.train_size`, "
+         "`trainer.eval_size`, `trainer.micro_batch_size`, `warm_start.batch_size`)", "`command-line override "
+         "'rollout.prompts_per_step=...': ... sequences a step, generated together: at least <N> GiB (...), more than "
+         "this machine's <M> GiB of memory; lower rollout.prompts_per_step`", "nothing written (refused at load)",
+         "test_bad_input.py::test_sizes_the_machine_cannot_hold_are_refused_before_anything_is_written"),
+    Case("YAML merge keys (`<<: *defaults`) in a config file", "nothing: they merge as YAML says, a key of the "
+         "mapping itself overriding a merged one (a key given twice is still refused)", "-",
+         "test_bad_input.py::test_yaml_merge_keys_work_and_a_key_of_its_own_overrides_a_merged_one"),
+    Case("an escaping `arm=../../x` on the command line or in an arm file", "`<the override or file that set arm>: "
+         "arm='../../x' must be a single directory name ...`", "nothing written",
+         "test_bad_input.py::test_an_escaping_arm_names_where_arm_was_set"),
     Case("`warm_start.steps=20` or `0`, a `model.overrides` value the model class cannot take (`vocab_size: 10`), "
          "`arm: ../../../x`", "`warm_start.steps=20 makes the warm start's OneCycleLR warm-up end at its first step "
          "(...); use 19 or 21` / `model.overrides={'vocab_size': 10}: the model cannot be built or run with it "
@@ -197,13 +262,22 @@ CASES = [
     Case("a refit bucket delivered after the sender gave up on it (engine process), between requests or in the "
          "middle of the next refit", "nothing: its late acknowledgement is dropped, not taken for another reply",
          "the next refit applies whole", "test_refit_faults.py::test_a_bucket_given_up_on_and_delivered_late_is_ignored"),
+    # -- rewards ----------------------------------------------------------------------------------
+    Case("`kill -9` to a trainer while its reward worker verifies a slow answer", "nothing",
+         "no worker left computing: it gets the kernel's parent-death signal (and watches its parent's pid)",
+         "../test_reward.py::test_the_verifier_worker_dies_with_its_parent"),
+    Case("a batch of slow answers (each under its own 20 s limit)", "a warning `reward: the batch's N answers took "
+         "over 60 s together; the K not yet verified earn 0 (first: ...)`",
+         "the step: a batch's verification is bounded in total",
+         "../test_reward.py::test_a_batch_of_slow_answers_stops_at_its_total_time_budget"),
     # -- disk -------------------------------------------------------------------------------------
     Case("a full disk during a checkpoint (a 1 MiB tmpfs where the platform allows, else the writer "
          "raising ENOSPC)", "`could not write checkpoint <path> (lora.safetensors: ... No space left on device ...); "
          "kept <previous checkpoint>; free space and continue with --resume`",
          "the previous checkpoint; no temp directory", "test_disk_full.py::test_full_disk_during_a_checkpoint"),
-    Case("a full disk inside torch's writer (`optimizer.pt`, which says only `unexpected pos`)",
-         "`could not write checkpoint <path> (optimizer.pt: ... unexpected pos ...; no space left on device "
+    Case("a full disk inside a writer that does not say so (`optimizer.safetensors`, a writer saying only "
+         "`unexpected pos`)",
+         "`could not write checkpoint <path> (optimizer.safetensors: ... unexpected pos ...; no space left on device "
          "(N bytes free ...)); kept <previous checkpoint>; ...`", "the previous checkpoint",
          "test_disk_full.py::test_a_full_disk_is_named_when_torch_does_not_say_so"),
     Case("a full disk while a metric row is appended (a full tmpfs, else a failing writer)",

@@ -110,8 +110,10 @@ def assert_identical_runs(a: Path, b: Path) -> None:
     assert lora_a.keys() == lora_b.keys()
     for name in lora_a:
         assert torch.equal(lora_a[name], lora_b[name]), name
-    opt_a = torch.load(last / "optimizer.pt", weights_only=False)
-    opt_b = torch.load(other / "optimizer.pt", weights_only=False)
+    from moerl.trainer.state_files import load_state
+
+    opt_a, opt_b = load_state(last / "optimizer.safetensors"), load_state(other / "optimizer.safetensors")
+    assert opt_a["param_groups"] == opt_b["param_groups"]
     for i, state in opt_a["state"].items():
         for key, value in state.items():
             assert torch.equal(value, opt_b["state"][i][key]), (i, key)

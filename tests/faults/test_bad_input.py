@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from kill_harness import fails_with
+from kill_harness import REPO as REPO_ROOT, fails_with
 from moerl.config import ConfigError, load_config
 
 ARM = "experiments/00_tiny_moe_cpu/arms/baseline.yaml"
@@ -191,3 +191,49 @@ def test_an_empty_arm_file_and_duplicate_keys_are_refused(tmp_path):
     twice.write_text("trainer:\n  lr: 0.001\n  steps: 3\n  lr: 0.01\n")
     with pytest.raises(ConfigError, match=rf"^{twice}: key 'lr' appears twice \(lines 2 and 4\); keep one"):
         load_config(twice)
+
+
+def test_yaml_merge_keys_work_and_a_key_of_its_own_overrides_a_merged_one(tmp_path):
+    base = (REPO_ROOT / "experiments" / "00_tiny_moe_cpu" / "base.yaml").resolve()
+    arm = tmp_path / "arm.yaml"
+    arm.write_text(f"base: {base}\narm: merged\ntrainer:\n  <<: {{lr: 0.001, steps: 3}}\n  steps: 5\n"
+                   f"rollout: &r\n  group_size: 4\n")
+    cfg = load_config(arm)
+    assert (cfg.trainer.lr, cfg.trainer.steps, cfg.rollout.group_size) == (0.001, 5, 4)
+    arm.write_text(f"base: {base}\ntrainer:\n  <<: {{lr: 0.001}}\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice \(lines 4 and 5\)"):
+        load_config(arm)
+
+
+def test_an_escaping_arm_names_where_arm_was_set(tmp_path):
+    with pytest.raises(ConfigError, match=r"^command-line override 'arm=\.\./\.\./x': arm='\.\./\.\./x' must be"):
+        load_config(ARM, ["arm=../../x"])
+    arm = tmp_path / "arm.yaml"
+    arm.write_text(f"base: {(REPO_ROOT / ARM).resolve()}\narm: ../../x\n")
+    with pytest.raises(ConfigError, match=rf"^{arm}: arm='\.\./\.\./x' must be"):
+        load_config(arm, ["trainer.lr=0.001"])
+
+
+def test_sizes_the_machine_cannot_hold_are_refused_before_anything_is_written(tmp_path):
+    from moerl.sizes import size_checks
+
+    msg = fails_with([ARM, "rollout.prompts_per_step=100000000000000000000", "trainer.mini_batches=1",
+                      f"tracking.output_dir={tmp_path / 'runs'}"])
+    assert msg.startswith("config error: command-line override 'rollout.prompts_per_step=100000000000000000000': "
+                          "rollout.prompts_per_step=100000000000000000000 x rollout.group_size=8 = "), msg
+    assert "GiB of memory; lower rollout.prompts_per_step" in msg, msg
+    assert not (tmp_path / "runs").exists()
+    cfg = load_config(ARM)  # the committed sizes fit a small machine
+    assert all(ok for ok, _ in size_checks(cfg, memory=2 << 30))
+    cfg.data.train_size = 100_000_000
+    refused = [m for ok, m in size_checks(cfg, memory=2 << 30) if not ok]
+    assert len(refused) == 1 and refused[0].startswith("data.train_size=100000000 + data.test_size=512 rows take at "
+                                                       "least 9.31 GiB, more than this machine's 2.0 GiB"), refused
+
+
+def test_a_refused_resume_from_another_working_directory_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = fails_with([str(REPO_ROOT / ARM), "--resume", "tracking.output_dir=runs", "warm_start.enabled=false"])
+    assert "no such run to resume" in msg and "tracking.output_dir=runs is relative, taken from the working " \
+                                              f"directory {tmp_path}" in msg, msg
+    assert list(tmp_path.iterdir()) == []  # no empty folders, no lock file

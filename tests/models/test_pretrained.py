@@ -292,3 +292,13 @@ def test_a_sharded_bf16_checkpoint_with_its_template_in_the_tokenizer_config_loa
     assert next(model.parameters()).dtype == torch.float32
     text = PromptFormat("math", checkpoint=True).texts(tok, ["1 + 1?"])[0]
     assert text.startswith("<|im_start|>user") and "\\boxed{}" in text
+
+
+def test_print_config_shows_a_checkpoint_run_only_the_keys_it_reads():
+    from moerl.config import config_yaml
+
+    shown = config_yaml(load_config("experiments/08_real_moe/arms/r3.yaml"), only_read=True)
+    assert "path: checkpoints/OLMoE-1B-7B-0125-Instruct" in shown and "chat_template: true" in shown
+    assert "hidden_size" not in shown and "preset" not in shown and "max_a" not in shown
+    preset = config_yaml(load_config("experiments/00_tiny_moe_cpu/arms/r3.yaml"), only_read=True)
+    assert "hidden_size" in preset and "\n  path:" not in preset and "chat_template" not in preset

@@ -20,7 +20,7 @@ def double(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     write_double("qwen3_moe", root / "qwen3_moe")
     write_gsm8k_file(root / "train.jsonl", 32)
-    write_gsm8k_file(root / "test.parquet", 8, seed=1, verl_format=True)
+    write_gsm8k_file(root / "test.jsonl", 8, seed=1)  # jsonl: vLLM's environment has no parquet reader
     return root
 
 
@@ -34,7 +34,7 @@ def test_probe_with_vllm_over_a_checkpoint(double, tmp_path):
     record = json.loads(out.read_text())["precisions"]["bf16"]
     assert math.isfinite(record["k3"]["value"]) and record["k3"]["value"] >= 0 and record["response_tokens"] > 0
     assert record["reroute_any"] is None  # vLLM's CPU build returns no routes
-    assert out.with_suffix(".png").exists()
+    assert "no figure: matplotlib is not installed" in done.stdout  # vLLM's environment draws nothing
 
 
 def test_grpo_steps_with_vllm_over_a_checkpoint(double, tmp_path):
@@ -43,7 +43,7 @@ def test_grpo_steps_with_vllm_over_a_checkpoint(double, tmp_path):
 
     cfg = load_config("experiments/08_real_moe/arms/baseline.yaml", [
         f"model.path={double / 'qwen3_moe'}", f"data.train_path={double / 'train.jsonl'}",
-        f"data.test_path={double / 'test.parquet'}", "device=cpu", "rollout.engine=vllm", "rollout.kernels=native",
+        f"data.test_path={double / 'test.jsonl'}", "device=cpu", "rollout.engine=vllm", "rollout.kernels=native",
         "rollout.capture_routing=false", "lora.target_experts=false", "rollout.prompts_per_step=4",
         "rollout.group_size=2", "rollout.max_new_tokens=8", "trainer.steps=2", "trainer.micro_batch_size=8",
         "trainer.mini_batches=2", "trainer.eval_every=0", "trainer.eval_size=4", "trainer.checkpoint_every=0",

@@ -5,7 +5,8 @@ repo's).
 
 A run directory is ``<root>/<experiment>/<arm>/seed<k>/``. A killed run's truncated last line is
 dropped with a warning naming the file; a run that is asked for but missing is reported by name. A run
-recorded under an arm's former name (moerl.config.RENAMED_ARMS) loads under its current name.
+recorded under an arm's former name (moerl.config.RENAMED_ARMS) loads under its current name. Runs of one
+comparison made from different base weights or data content (their run.json hashes) are refused, named.
 """
 from __future__ import annotations
 
@@ -90,6 +91,44 @@ def find_runs(root: str | Path) -> dict[RunKey, Path]:
     return out
 
 
+class MixedInputsError(ValueError):
+    """Runs of one comparison made from different base weights or different data: pooling them would
+    compare two experiments as one."""
+
+
+# Identity keys that decide a run's base model and data: runs agreeing on them must share their content.
+_BASE_AND_DATA = ("model.", "data.", "warm_start.")
+
+
+def check_same_inputs(runs: dict[RunKey, Path]) -> None:
+    """Refuse to pool runs of one comparison (one experiment, the same model, data and warm-start
+    config) whose recorded base-weights hash (run.json ``base_hash``) or input hashes (run.json
+    ``inputs``: data files, base config) differ, naming the runs on each side and both hashes. Runs
+    recorded before these fields existed have nothing to compare and are pooled as before."""
+    seen: dict[tuple, dict[str, list[RunKey]]] = {}
+    for key, run in runs.items():
+        try:
+            record = json.loads((run / "run.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, dict):
+            continue
+        identity = record.get("identity") or {}
+        group = json.dumps({k: v for k, v in identity.items() if k.startswith(_BASE_AND_DATA)
+                            and k != "warm_start.cache_dir"}, sort_keys=True, default=str)
+        inputs = record.get("inputs") if isinstance(record.get("inputs"), dict) else {}
+        for name, value in {"base_hash": record.get("base_hash"), **inputs}.items():
+            if value is not None:
+                seen.setdefault((key.experiment, group, name), {}).setdefault(str(value), []).append(key)
+    for (experiment, _, name), by_value in seen.items():
+        if len(by_value) > 1:
+            sides = "; ".join(f"{value} in {', '.join(f'{k.arm}/seed{k.seed}' for k in keys)}"
+                              for value, keys in sorted(by_value.items()))
+            raise MixedInputsError(f"{experiment}: runs of one comparison were made from different {name} ({sides}): "
+                                   f"they cannot be pooled; rerun the odd ones on the same inputs (--fresh), or move "
+                                   f"them out of the results directory")
+
+
 def _numeric(value):
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
@@ -132,6 +171,7 @@ def load_metrics(root: str | Path, experiment: str | None = None, arms: list[str
             raise MissingRunError(f"no recorded run for arm(s) {missing} under {Path(root)}"
                                   f"{'/' + experiment if experiment else ''}")
         runs = {k: v for k, v in runs.items() if k.arm in arms}
+    check_same_inputs(runs)
     frames = []
     for key, run in runs.items():
         rows = _read_jsonl(run / "metrics.jsonl")
@@ -207,9 +247,9 @@ def load_summaries(root: str | Path, experiment: str | None = None) -> pd.DataFr
     """One row per finished run (summary.json flattened), plus its resolved config's key knobs;
     MissingRunError naming the directory when no run there has finished."""
     rows = []
-    for key, run in find_runs(root).items():
-        if experiment is not None and key.experiment != experiment:
-            continue
+    runs = {k: v for k, v in find_runs(root).items() if experiment is None or k.experiment == experiment}
+    check_same_inputs(runs)
+    for key, run in runs.items():
         path = run / "summary.json"
         if not path.exists():
             continue
@@ -298,9 +338,10 @@ def load_token_samples(root: str | Path, experiment: str | None = None, arms: li
     """Per-token samples (rollout vs trainer logprob, IS weight, flags) saved every N steps."""
     frames = []
     arms = None if arms is None else [_current(a, experiment) for a in arms]
-    for key, run in find_runs(root).items():
-        if (experiment is not None and key.experiment != experiment) or (arms is not None and key.arm not in arms):
-            continue
+    runs = {k: v for k, v in find_runs(root).items()
+            if (experiment is None or k.experiment == experiment) and (arms is None or k.arm in arms)}
+    check_same_inputs(runs)
+    for key, run in runs.items():
         for path in sorted((run / "samples").glob("step_*.npz")):
             with np.load(path) as data:
                 df = pd.DataFrame({k: data[k] for k in data.files})

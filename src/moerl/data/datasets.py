@@ -132,9 +132,7 @@ def rows_from_records(records, task: str, source: str, row_label: str = "row") -
 
 
 def load_local(path: str | Path, task: str) -> list[dict]:
-    """Rows from a local .parquet / .jsonl / .json file."""
-    from datasets import load_dataset
-
+    """Rows from a local .parquet / .jsonl / .json file (jsonl read here; the others through ``datasets``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file not found: {path} (data.train_path / data.test_path)")
@@ -162,6 +160,8 @@ def load_local(path: str | Path, task: str) -> list[dict]:
         if not records:
             raise DataError(f"{path}: no rows, only blank lines (expected one JSON object per line)")
         return rows_from_records(records, task, str(path), row_label="line")
+    from datasets import load_dataset
+
     try:
         ds = load_dataset(kind, data_files=str(path), split="train")
     except Exception as err:  # noqa: BLE001 - pyarrow/datasets errors do not name the file

@@ -12,27 +12,34 @@ manifest), falls back to the previous intact checkpoint with a warning naming th
 checkpoint without a manifest loads unverified only in a run that predates manifests (its run.json
 records no ``format`` and none of its checkpoints has one) or when asked to (``--unverified-checkpoint``).
 Only ``step_<N>`` directories are checkpoints; anything else under ``checkpoints/`` is left alone.
+
+No file of a checkpoint is unpickled: the optimizer state is a safetensors file (its non-tensor part as
+JSON in the header) and the RNG states are JSON (``moerl.trainer.state_files``), since a manifest proves
+integrity, not origin. Checkpoints written before that (``optimizer.pt``, ``rng.pt``) are read by torch's
+restricted unpickler, which refuses any file that asks to construct something other than tensors,
+containers, numbers, strings or numpy arrays.
 """
 from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
 from moerl import faults
+from moerl.trainer.state_files import load_state, rng_state, save_state, set_rng_state, unpickle_legacy_state
 
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+OPTIMIZER, RNG = "optimizer.safetensors", "rng.json"  # no pickle: reading a checkpoint runs no code
+LEGACY_OPTIMIZER, LEGACY_RNG = "optimizer.pt", "rng.pt"  # older checkpoints: restricted unpickler only
 _STEP = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.step_\d+\.(tmp|deleting)")
 _WARNED: set[Path] = set()  # stray names already reported by this process
@@ -89,14 +96,16 @@ def _first_line(err: BaseException) -> str:
 
 
 def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor], optimizer, state: dict,
-                    keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None) -> Path:
+                    keep: int = 2, export=None, config_hash: str | None = None, base_hash: str | None = None,
+                    inputs: dict | None = None) -> Path:
     """Write ``checkpoints/step_<step>`` atomically (temp dir, then rename) and prune to the newest ``keep``
     (0: keep every one).
     ``export(dir)``, if given, writes extra files into the checkpoint before it is published (the
     trainer writes the LoRA there as PEFT / vLLM adapters). ``config_hash`` goes into the manifest:
     a resume with another config is refused even when run.json and config.yaml are gone; ``base_hash`` (the
     content hash of the base weights, ``moerl.trainer.warm_start.weights_hash``) too: a resume on another
-    base is refused."""
+    base is refused; ``inputs`` (moerl.identity.inputs_record: the sha256 of each data file and of the
+    base model's config.json) too: a resume on changed inputs is refused."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     remove_incomplete(run_dir)
@@ -108,18 +117,18 @@ def save_checkpoint(run_dir: Path, step: int, trainable: dict[str, torch.Tensor]
         tmp.mkdir()
         save_file({k: v.detach().contiguous() for k, v in trainable.items()}, current)
         faults.hit("checkpoint_write")
-        current = tmp / "optimizer.pt"
-        torch.save(optimizer.state_dict(), current)
-        current = tmp / "rng.pt"
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()}, current)
+        current = tmp / OPTIMIZER
+        save_state(current, optimizer.state_dict())
+        current = tmp / RNG
+        current.write_text(json.dumps(rng_state()) + "\n")
         if export is not None:
             current = tmp / "adapter"
             export(current)
         current = tmp / "state.json"
         current.write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
         current = tmp / MANIFEST  # last: it vouches for every file above
-        current.write_text(json.dumps({"config_hash": config_hash, "base_hash": base_hash, "checksum": "xxh3_64",
+        current.write_text(json.dumps({"config_hash": config_hash, "base_hash": base_hash, "inputs": inputs or {},
+                                       "checksum": "xxh3_64",
                                        "files": _digests(tmp)}, indent=1) + "\n")
     except Exception as err:  # noqa: BLE001 - disk full surfaces as OSError, SafetensorError or RuntimeError
         reason = _first_line(err) + _no_space_hint(err, root)
@@ -194,10 +203,16 @@ def _read(path: Path) -> tuple[dict, dict, dict, dict]:
     current = path / "lora.safetensors"
     try:
         tensors = load_file(current)
-        current = path / "optimizer.pt"
-        optimizer = torch.load(current, weights_only=False)
-        current = path / "rng.pt"
-        rng = torch.load(current, weights_only=False)
+        if (path / OPTIMIZER).exists() or not (path / LEGACY_OPTIMIZER).exists():
+            current = path / OPTIMIZER
+            optimizer = load_state(current)
+            current = path / RNG
+            rng = json.loads(current.read_text())
+        else:  # written before state files: read without running anything they might hold
+            current = path / LEGACY_OPTIMIZER
+            optimizer = unpickle_legacy_state(current)
+            current = path / LEGACY_RNG
+            rng = unpickle_legacy_state(current)
         current = path / "state.json"
         state = json.loads(current.read_text())
         if not isinstance(state, dict) or "step" not in state:
@@ -256,9 +271,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer) -> dict:
         for name, value in tensors.items():
             params[name].copy_(value)
     optimizer.load_state_dict(optimizer_state)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    set_rng_state(rng)
     return state
 
 
@@ -285,6 +298,24 @@ def base_hash_of(path: Path) -> str | None:
         return json.loads((Path(path) / MANIFEST).read_text()).get("base_hash")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def inputs_of(path: Path) -> dict | None:
+    """The input hashes a checkpoint's manifest records (None: none recorded)."""
+    try:
+        recorded = json.loads((Path(path) / MANIFEST).read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def check_same_inputs(path: Path, run_dir: Path, inputs: dict) -> None:
+    """Refuse to continue checkpoint ``path`` when a file it was trained from (a data file, the base
+    model's config.json) has other content now; its manifest's record, else the run's run.json."""
+    from moerl.tracking import check_same_inputs as check
+
+    recorded = inputs_of(path)
+    check(run_dir, inputs, "resume", recorded=recorded, where=path if recorded is not None else run_dir)
 
 
 def check_same_base(path: Path, base_hash: str, where: str) -> None:

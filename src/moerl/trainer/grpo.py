@@ -40,14 +40,17 @@ from moerl.runlock import lock_run, unlock_run
 from moerl.tracking import Tracker, check_logged_steps
 from moerl.trainer.advantages import group_advantages
 from moerl import faults
-from moerl.trainer.checkpoint import (MANIFEST, check_same_base, checkpoint_dirs, checkpoint_step, load_checkpoint,
-                                     predates_manifests, remove_incomplete, resumable_checkpoint, save_checkpoint)
+from moerl.identity import inputs_record
+from moerl.trainer.checkpoint import (MANIFEST, check_same_base, check_same_inputs, checkpoint_dirs, checkpoint_step,
+                                     load_checkpoint, predates_manifests, remove_incomplete, resumable_checkpoint,
+                                     save_checkpoint)
 from moerl.trainer.logprobs import forward_logprobs, session_trace, trainer_routing
 from moerl.replay.diagnostics import routing_agreement
 from moerl.trainer.losses import aggregate, aggregation_weight, check_finite, policy_loss
 from moerl.trainer.metrics import (AgreementAlarm, extreme_token_curve, mismatch_metrics, paired_replay_effect,
                                   routing_divergence, token_samples)
-from moerl.trainer.warm_start import evaluate_policy, load_base, model_family, warm_start_dir, weights_hash
+from moerl.trainer.warm_start import (base_dir, evaluate_policy, load_base, model_family, warm_start_dir,
+                                     weights_hash)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class GRPOTrainer:
         legacy = False
         if resume:  # checked before any work: a resume that cannot happen says so at once
             saved = resumable_checkpoint(self.run_dir, cfg, unverified_ok=unverified_checkpoint)
+            check_same_inputs(saved, self.run_dir, inputs_record(cfg))  # the data files, before any warm start
             legacy = not (saved / MANIFEST).exists() and predates_manifests(self.run_dir)
             # The rows it continues: every step up to the checkpoint logged once (no hole, no duplicate).
             check_logged_steps(self.run_dir / "metrics.jsonl", checkpoint_step(saved), cfg.trainer.steps)
@@ -138,9 +142,13 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         base, self.tokenizer, self.warm_start_meta, self.prompts = load_base(cfg, progress=progress)
         self.base_hash = weights_hash(base)  # what the LoRA trains on, by content (run.json, every checkpoint)
+        # the content of every file the run reads (data files, the base's config.json and tokenizer): run.json,
+        # every checkpoint; a checkpoint's weight shards enter by size (base_hash covers the weights by content)
+        self.inputs = inputs_record(cfg, base_dir(cfg), weights=not cfg.model.path)
         if resume:
             check_same_base(saved, self.base_hash, cfg.model.path or (
                 str(warm_start_dir(cfg)) if cfg.warm_start.enabled else "the random init (warm_start.enabled=false)"))
+            check_same_inputs(saved, self.run_dir, self.inputs)
         if cfg.model.path:  # rows whose rendered prompt is too long for the budget are dropped, as verl drops them
             self.train_rows = fitting_prompts(self.train_rows, self.prompts, self.tokenizer,
                                               cfg.data.max_prompt_tokens, "data.train_path")
@@ -199,7 +207,8 @@ class GRPOTrainer:
             self.agreement_alarm.reference = state.get("agreement_reference")
             self.refitter.sync()
             log.info("resumed %s at step %d", self.run_dir, self.step_idx)
-        self.tracker = Tracker(self.run_dir, cfg, resume_step, base_hash=self.base_hash, legacy_run=legacy)
+        self.tracker = Tracker(self.run_dir, cfg, resume_step, base_hash=self.base_hash, legacy_run=legacy,
+                               inputs=self.inputs)
 
     # ------------------------------------------------------------------------------------------
     # One GRPO step
@@ -432,7 +441,7 @@ class GRPOTrainer:
                         {"sampler": self.sampler.state(), "refit_version": self.refitter.version,
                          "agreement_reference": self.agreement_alarm.reference},
                         export=lambda path: export_adapter(self.policy, self.cfg, path, base_model=base),
-                        config_hash=config_hash(self.cfg), base_hash=self.base_hash,
+                        config_hash=config_hash(self.cfg), base_hash=self.base_hash, inputs=self.inputs,
                         keep=self.cfg.trainer.keep_checkpoints)
         faults.hit("after_checkpoint")
 

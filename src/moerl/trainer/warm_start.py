@@ -28,8 +28,10 @@ from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict
 from moerl.data import load_splits
 from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
+from moerl.identity import inputs_record
 from moerl.models.experts import implementation
 from moerl.models.presets import build_model
+from moerl.trainer.state_files import StateFileError, load_state, save_state, unpickle_legacy_state
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,17 @@ NOT_IN_WARM_START = {"model": ("path", "trust_remote_code"), "data": ("chat_temp
 
 
 def warm_start_key(cfg: ExperimentConfig) -> str:
+    """``<preset>-<hash of the model, data and warm-start config>``; with data files, their content too
+    (a training file edited in place trains another warm start)."""
     ws = to_dict(cfg.warm_start)
     ws.pop("cache_dir")
     model, data = ({k: v for k, v in to_dict(section).items() if k not in NOT_IN_WARM_START[name]}
                    for name, section in (("model", cfg.model), ("data", cfg.data)))
-    blob = json.dumps({"model": model, "data": data, "warm_start": ws}, sort_keys=True)
+    keyed = {"model": model, "data": data, "warm_start": ws}
+    data_content = {k: v for k, v in inputs_record(cfg).items() if k.startswith("data.")}
+    if data_content:  # only with data files: the keys of warm starts of generated data stay as they were
+        keyed["data_content"] = data_content
+    blob = json.dumps(keyed, sort_keys=True)
     return f"{cfg.model.preset}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -89,7 +97,15 @@ PROGRESS_EVERY_SECONDS = 600.0
 
 
 def _progress_path(out_dir: Path) -> Path:
-    return out_dir.with_name(out_dir.name + ".progress.pt")
+    """A safetensors state file (``moerl.trainer.state_files``): reading it runs no code."""
+    return out_dir.with_name(out_dir.name + ".progress.safetensors")
+
+
+def _legacy_progress_path(out_dir_or_progress: Path) -> Path:
+    """Where versions that pickled the SFT progress saved it."""
+    p = Path(out_dir_or_progress)
+    stem = p.name.removesuffix(".progress.safetensors")
+    return p.with_name(stem + ".progress.pt")
 
 
 def _save_progress(path: Path, key: str, step: int, seconds: float, model, opt, sched, rng: random.Random) -> None:
@@ -99,16 +115,34 @@ def _save_progress(path: Path, key: str, step: int, seconds: float, model, opt, 
              "scheduler": sched.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    save_state(tmp, state)
     tmp.replace(path)
+    _legacy_progress_path(path).unlink(missing_ok=True)  # superseded
+
+
+def _read_progress(path: Path) -> dict | None:
+    """The saved SFT progress at ``path``, else at its legacy ``.progress.pt`` (read by the restricted
+    unpickler); None when there is none or it cannot be read (a warning names it: the SFT starts over)."""
+    legacy = _legacy_progress_path(path)
+    source = path if path.exists() or not legacy.exists() else legacy
+    if not source.exists():
+        return None
+    try:
+        state = load_state(source) if source == path else unpickle_legacy_state(source)
+        if not isinstance(state, dict):
+            raise StateFileError(f"{source}: expected a dict of SFT progress, got {type(state).__name__}")
+    except StateFileError as err:
+        log.warning("%s; not used: training from step 0", err)
+        return None
+    return state
 
 
 def _load_progress(path: Path, key: str, steps: int, model, opt, sched, rng: random.Random) -> tuple[int, float]:
     """(steps done, seconds spent) of a saved SFT of the same key, restored into the given objects; (0, 0.0)
     when there is none. A file of another key (the config changed) is not used."""
-    if not path.exists():
+    state = _read_progress(path)
+    if state is None:
         return 0, 0.0
-    state = torch.load(path, weights_only=False)
     if state.get("key") != key or not 0 < state.get("step", 0) < steps:
         log.warning("%s: saved SFT progress of another configuration (%s, step %s), not used; training from step 0",
                     path, state.get("key"), state.get("step"))
@@ -228,6 +262,7 @@ def train_warm_start(cfg: ExperimentConfig, out_dir: Path, progress: bool = True
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
     saved.unlink(missing_ok=True)
+    _legacy_progress_path(saved).unlink(missing_ok=True)
     log.info("warm start saved to %s: %s", out_dir, meta["test_accuracy"])
     return meta
 
@@ -300,6 +335,14 @@ def load_base(cfg: ExperimentConfig, progress: bool = True):
     meta = {"checkpoint": str(info.path), "model_type": info.model_type, "fingerprint": info.fingerprint(),
             "test_accuracy": None}
     return model, tokenizer, meta, prompts
+
+
+def base_dir(cfg: ExperimentConfig) -> Path | None:
+    """The directory the base model is read from: ``model.path``, else the warm start's cache entry; None
+    for a random init (``warm_start.enabled=false``)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    return warm_start_dir(cfg) if cfg.warm_start.enabled else None
 
 
 def model_family(cfg: ExperimentConfig, model: torch.nn.Module | None = None) -> str:

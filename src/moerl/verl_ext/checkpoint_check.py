@@ -19,8 +19,9 @@ tensors whose name matches ``SHARED_ADAPTER`` are checked; run it only where the
 """
 from __future__ import annotations
 
+import pickle
 import re
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
@@ -40,13 +41,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         if not (p / ".metadata").exists():
             raise RunReadError(f"{p}: not a distributed checkpoint (no .metadata; Megatron's torch_dist format "
                                f"has one)")
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "consolidated.pt"
-            dcp_to_torch_save(p, out)
-            # the user's own checkpoint, consolidated here: it may hold non-tensor extra state
-            state = torch.load(out, map_location="cpu", weights_only=False)
+        state = _read_dcp_tensors(p)
     elif p.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -59,6 +54,93 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise RunReadError(f"{p}: expected a dict of tensors, got {type(state).__name__}")
     return dict(_flatten(state))
+
+
+_MCORE_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+def _stand_ins():
+    """Empty stand-ins for the classes megatron-core 0.15 pickled into ``.metadata`` (megatron-core itself
+    keeps them as empty classes for loading such checkpoints): the unpickler fills their attributes, and
+    no megatron code is imported or run."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    class MCoreMetadata(Metadata):
+        pass
+
+    class MCoreSavePlan:
+        pass
+
+    return MCoreMetadata, MCoreSavePlan
+
+
+_MCoreMetadata, _MCoreSavePlan = _stand_ins()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file constructing torch's checkpoint-metadata dataclasses and enums,
+    ``torch.Size`` and torch's dtype / layout / memory-format constants, and nothing else (the
+    "restricting globals" recipe of Python's pickle documentation; torch's own ``weights_only``
+    unpickler cannot read DCP's protocol-4 frames)."""
+
+    def find_class(self, module, name):
+        import torch.distributed.checkpoint.filesystem as fs
+        import torch.distributed.checkpoint.metadata as md
+
+        allowed = {(m.__name__, n) for m, names in ((md, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                         "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                         "StorageMeta", "_MEM_FORMAT_ENCODING")),
+                                                    (fs, ("_StorageInfo", "_StoragePrefix", "SerializationFormat")))
+                   for n in names}
+        if (module, name) in allowed:
+            return getattr(sys.modules[module], name)
+        if (module, name) == (_MCORE_TORCH_STRATEGY, "MCoreMetadata"):  # megatron-core 0.15's metadata class
+            return _MCoreMetadata
+        if (module, name) == (_MCORE_TORCH_STRATEGY, "MCoreSavePlan"):
+            return _MCoreSavePlan
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            return getattr(sys.modules["pathlib"], name)  # the checkpoint's own path (StorageMeta): a name only
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name, from torch's table
+            return torch.serialization._get_layout
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint-metadata type")
+
+
+def _read_dcp_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a distributed checkpoint, without running anything it holds: torch's reader unpickles
+    ``.metadata`` unrestricted and its planner unpickles non-tensor entries (``weights_only=False``), so the
+    metadata goes through ``_MetadataUnpickler`` and only the tensor entries are requested (their shards
+    are read with ``weights_only=True``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata as StorageMetadataType
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+    class RestrictedMetadataReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if not isinstance(metadata, StorageMetadataType):
+                raise pickle.UnpicklingError(f"expected a Metadata object, got {type(metadata).__name__}")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = RestrictedMetadataReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as err:  # noqa: BLE001 - refused globals and broken pickles: one line naming the file
+        reason = " ".join(str(err).split()).split(" Check the documentation")[0][:300]
+        raise RunReadError(f"{path / '.metadata'}: refused (a distributed checkpoint's metadata may name "
+                           f"torch's checkpoint metadata classes only: {reason or type(err).__name__})") from None
+    state = {name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for name, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def _flatten(tree: dict, prefix: str = ""):

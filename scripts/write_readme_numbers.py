@@ -455,7 +455,7 @@ def section_07_headline(runs_root: Path) -> str:
                      for name, v in verdicts.items()]
         lines.append(f"- {titles.get(grid, grid)} ({n} seeds): " + "; ".join(items))
     left = [f"`{g}` {p['finished']}/{p['planned']}" for g, p in c["result"]["progress"].items() if not p["complete"]]
-    return "\n".join(["Registered verdicts (Holm: corrected within each grid's comparisons):", "",
+    return "\n".join(["Registered verdicts (Holm: corrected within each grid):", "",
                       *lines] + ([f"- still running: {', '.join(left)}"] if left else []))
 
 
@@ -483,7 +483,7 @@ def section_found(runs_root: Path) -> str:
     collapsed = lambda runs_: f"{sum(r.get('collapse_step') is not None for r in runs_.values())} of {len(runs_)}"  # noqa: E731
     gain = lambda runs_: statistics.mean(r["pass1_end"] - r["pass1_start"] for r in runs_.values())  # noqa: E731
     lines = []
-    link = "([verdict][07-verdicts])"  # one reference-style target, defined after the list
+    link = "([verdict][v07])"  # one reference-style target, defined after the list
     if "mechanism" in verdicts:
         m = {rung: cell("mechanism", "baseline", rung) for rung in registered["grids"]["mechanism"]["rungs"]}
         experts = {**m["nvfp4_experts"], **{100 + s: r for s, r in m["int4_experts"].items()}}
@@ -518,7 +518,7 @@ def section_found(runs_root: Path) -> str:
         lines.append(f"5. **Kimi's INT4 experts, without and with its QAT recipe.** Without it: {gain(kimi):+.2f} pass@1, "
                      f"{collapsed(kimi)} collapsed; with it: {gain(qat):+.2f}, like the control as read "
                      f"(**{v['qat_int4 like_control']['verdict_holm']}** under Holm) {link}.")
-    return ("\n".join(lines) + f"\n\n[07-verdicts]: {results}") if lines else \
+    return ("\n".join(lines) + f"\n\n[v07]: {results}") if lines else \
         "No registered grid of experiment 07 is complete yet."
 
 

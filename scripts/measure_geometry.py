@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.config import ExperimentConfig, ModelConfig, load_config, to_dict
+from moerl.config import ExperimentConfig, ModelConfig, load_config, to_dict, without_checkpoint_keys
 from moerl.data import load_splits
 from moerl.models.geometry import CPU_WIDTH, geometry_model_config
 from moerl.models.presets import build_model
@@ -119,9 +119,10 @@ NOT_IN_SPEC = {"rollout": ("decode",)}
 
 def spec(point: Point, prompts: int, cfg: ExperimentConfig) -> dict:
     rollout = {k: v for k, v in to_dict(cfg.rollout).items() if k not in NOT_IN_SPEC["rollout"]}
-    out = {"name": point.name, "ladders": list(point.ladders), "model": to_dict(point.model), "state": point.state,
-           "dtypes": list(point.dtypes), "seed": point.seed, "prompts": prompts, "group_size": cfg.rollout.group_size,
-           "rollout": rollout, "data": to_dict(cfg.data), "note": point.note}
+    out = {"name": point.name, "ladders": list(point.ladders), "model": without_checkpoint_keys("model", to_dict(point.model)),
+           "state": point.state, "dtypes": list(point.dtypes), "seed": point.seed, "prompts": prompts,
+           "group_size": cfg.rollout.group_size, "rollout": rollout,
+           "data": without_checkpoint_keys("data", to_dict(cfg.data)), "note": point.note}
     if point.warm_start:
         out["warm_start"] = point.warm_start
     return out

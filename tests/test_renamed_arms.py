@@ -147,7 +147,11 @@ def test_a_sweep_and_check_reproducible_take_the_former_name(tmp_path, monkeypat
 
     check = _script("check_reproducible")
     recorded = tmp_path / "recorded"
-    _recorded_under_former_name(recorded, "experiments/00_tiny_moe_cpu/arms/geo_mis_3pct.yaml", [], "mis")
+    _, run = _recorded_under_former_name(recorded, "experiments/00_tiny_moe_cpu/arms/geo_mis_3pct.yaml", [], "mis")
+    from moerl.tracking import machine_info
+
+    machine = json.dumps(machine_info())  # recorded on this CPU kind: the bitwise check applies
+    (run / "machine.json").write_text(machine)
     rows = (recorded / "00_tiny_moe_cpu/mis/seed0/metrics.jsonl").read_text()
     commands = []
 
@@ -157,6 +161,7 @@ def test_a_sweep_and_check_reproducible_take_the_former_name(tmp_path, monkeypat
         fresh = where / "00_tiny_moe_cpu" / "geo_mis_3pct" / "seed0"
         fresh.mkdir(parents=True)
         (fresh / "metrics.jsonl").write_text(rows)
+        (fresh / "machine.json").write_text(machine)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(check.subprocess, "run", fake_run)

@@ -427,6 +427,17 @@ OMITTED_AT_DEFAULT = {"model.path": None, "model.trust_remote_code": False, "tra
                       "data.chat_template": True, "data.instruction": None, "data.max_prompt_tokens": 1024}
 
 
+# The keys only a checkpoint run (model.path) reads: what the tiny presets compute from (a warm start's cache key,
+# a geometry point's spec) leaves them out, so adding them changed no key or spec recorded before.
+CHECKPOINT_ONLY_KEYS = {"model": ("path", "trust_remote_code"), "data": ("chat_template", "instruction",
+                                                                         "max_prompt_tokens")}
+
+
+def without_checkpoint_keys(section: str, values: dict) -> dict:
+    """``values`` (a ``to_dict`` of config section ``section``) without its CHECKPOINT_ONLY_KEYS."""
+    return {k: v for k, v in values.items() if k not in CHECKPOINT_ONLY_KEYS.get(section, ())}
+
+
 def identity_dict(cfg: ExperimentConfig) -> dict:
     """The resolved config without OPERATIONAL_KEYS (and OMITTED_AT_DEFAULT keys at that value), flattened
     to ``{"a.b": value}``."""

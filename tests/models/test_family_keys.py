@@ -42,7 +42,7 @@ def test_a_key_the_preset_does_not_read_is_refused(preset, key):
 def test_each_preset_loads_with_every_key_at_its_default_and_prints_only_its_keys(preset):
     cfg = load_config(ARM, [f"model.preset={preset}", "model.num_kv_heads=2"])  # 2: the default
     shown = yaml.safe_load(config_yaml(cfg, only_read=True))["model"]
-    assert set(shown) == FAMILY_KEYS[preset] | {"path", "trust_remote_code"}
+    assert set(shown) == FAMILY_KEYS[preset]  # a preset run reads no checkpoint key (model.path, trust_remote_code)
     assert set(yaml.safe_load(config_yaml(cfg))["model"]) == set(FIELDS)  # a run records every key
 
 

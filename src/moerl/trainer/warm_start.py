@@ -24,7 +24,7 @@ import torch
 import xxhash
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict
+from moerl.config import WARM_START_PCT_START, ExperimentConfig, to_dict, without_checkpoint_keys
 from moerl.data import load_splits
 from moerl.data.prompts import render_prompt, render_target
 from moerl.data.tokenizer import BOS, EOS, build_tokenizer
@@ -38,17 +38,14 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[3]
 
 
-# Keys a warm start never reads (a checkpoint's: model.path has no warm start), left out of its cache key.
-NOT_IN_WARM_START = {"model": ("path", "trust_remote_code"), "data": ("chat_template", "instruction", "max_prompt_tokens")}
-
-
 def warm_start_key(cfg: ExperimentConfig) -> str:
     """``<preset>-<hash of the model, data and warm-start config>``; with data files, their content too
     (a training file edited in place trains another warm start)."""
     ws = to_dict(cfg.warm_start)
     ws.pop("cache_dir")
-    model, data = ({k: v for k, v in to_dict(section).items() if k not in NOT_IN_WARM_START[name]}
-                   for name, section in (("model", cfg.model), ("data", cfg.data)))
+    # a checkpoint's keys are never read by a warm start (model.path has none)
+    model, data = (without_checkpoint_keys(name, to_dict(section)) for name, section in (("model", cfg.model),
+                                                                                          ("data", cfg.data)))
     keyed = {"model": model, "data": data, "warm_start": ws}
     data_content = {k: v for k, v in inputs_record(cfg).items() if k.startswith("data.")}
     if data_content:  # only with data files: the keys of warm starts of generated data stay as they were

@@ -67,10 +67,13 @@ def _token_terms(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
 
 @torch.no_grad()
 def probe_batch(trainer: torch.nn.Module, engine: HFEngine, questions: list[str], answers: list[str], seed: int,
-                temperature: float, stats: PromptStats) -> None:
+                temperature: float, stats: PromptStats, progress=lambda line: None) -> None:
     """Sample one response per question with ``engine``, score it with ``trainer`` natively and under R3."""
+    start = time.time()
     batch = engine.generate(questions, answers, 1, seed=seed)
     mask = batch.response_mask.bool()
+    progress(f"[probe]   sampled {len(questions)} responses ({int(mask.sum())} tokens) in {time.time() - start:.0f} s; "
+             f"scoring them")
     with trainer_routing(trainer, batch) as session:
         native_logp, _ = forward_logprobs(trainer, batch, temperature)
     native = session_trace(session, batch)
@@ -157,7 +160,7 @@ def run_probe(trainer: torch.nn.Module, tokenizer, prompts, rows: list[dict], pr
         for i in range(0, len(rows), batch_size):
             chunk = rows[i: i + batch_size]
             probe_batch(trainer, engine, [r["question"] for r in chunk], [r["answer"] for r in chunk], seed + i,
-                        temperature, stats)
+                        temperature, stats, progress)
             done += 1
             rate = (time.time() - start) / done
             progress(f"[probe] {precision}: {min(i + batch_size, len(rows))}/{len(rows)} prompts, "

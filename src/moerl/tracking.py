@@ -61,7 +61,10 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform(),
             "openmp_env": {k: os.environ.get(k) for k in OPENMP_ENV},
             # oneDNN's ISA cap: AVX2 makes an AMX CPU run the bf16 kernels an AVX2-only CPU has.
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            # the GPUs this process sees (a checkpoint run with device=cuda computes on the first)
+            "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else []}
 
 
 def wandb_sync_command(run_dir: Path) -> str | None:

@@ -559,9 +559,7 @@ def check_splits(cfg: ExperimentConfig) -> tuple[list[dict], list[dict]]:
 def fitting_prompts(rows: list[dict], prompts, tokenizer, limit: int, key: str) -> list[dict]:
     """The rows whose rendered prompt has at most ``limit`` tokens; the others are counted and logged. A
     split left empty is a DataError naming the key."""
-    lengths = [len(ids) for ids in tokenizer(prompts.texts(tokenizer, [r["question"] for r in rows]),
-                                             add_special_tokens=prompts.checkpoint and not prompts.chat_template)
-               .input_ids]
+    lengths = [len(ids) for ids in prompts.token_ids(tokenizer, [r["question"] for r in rows])]
     kept = [r for r, n in zip(rows, lengths) if n <= limit]
     if len(kept) < len(rows):
         log.warning("%s: dropped %d of %d rows whose prompt is longer than data.max_prompt_tokens=%d tokens",
